@@ -1,0 +1,20 @@
+.PHONY: setup test test-slow test-all lint serve demo-assets
+VENV := .venv/bin
+
+setup:            ## create .venv and install everything (idempotent)
+	bash scripts/setup.sh
+
+test:             ## fast + integration tests (the CI command)
+	$(VENV)/python -m pytest -q
+
+test-slow:        ## the slow tests too
+	$(VENV)/python -m pytest -q -m "not gpu"
+
+lint:
+	$(VENV)/ruff check .
+
+serve:            ## Triton server on the shipped demo model
+	$(VENV)/dspark serve
+
+demo-assets:      ## rebuild corpus, tokenizer and demo target (about an hour on 2 cores)
+	bash build/demo/build.sh

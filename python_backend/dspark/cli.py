@@ -1,0 +1,43 @@
+"""`dspark` command line. Each subcommand lives in its own module exposing
+`add_arguments(parser)` and `main(args) -> int`; this file only dispatches."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+COMMANDS: dict[str, tuple[str, str]] = {
+    "generate": ("dspark.generate", "stream a continuation from the shipped (or given) model"),
+    "serve": ("dspark.serve", "start tritonserver on the model repository"),
+    "bench-target": ("dspark.bench_target", "plain decode tokens/s: ours vs transformers"),
+    "bench": ("dspark.bench", "end-to-end speculative benchmark"),
+    "profile-sps": ("dspark.profile_sps", "profile target steps/second vs token batch size"),
+    "simulate": ("dspark.simulate", "serving simulator over scheduler policies"),
+    "appendix-a": ("dspark.appendix_a", "non-anticipation harness (paper Appendix A)"),
+    "train": ("dspark.train", "train a drafter"),
+    "calibrate": ("dspark.calibrate", "Sequential Temperature Scaling"),
+    "eval": ("dspark.evaluate", "offline drafter evaluation"),
+}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="dspark", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    modules = {}
+    for name, (module, help_text) in COMMANDS.items():
+        try:
+            mod = importlib.import_module(module)
+        except ModuleNotFoundError as e:
+            if e.name != module:
+                raise
+            continue  # not built yet
+        modules[name] = mod
+        p = sub.add_parser(name, help=help_text, description=(mod.__doc__ or help_text))
+        mod.add_arguments(p)
+    args = parser.parse_args(argv)
+    return int(modules[args.command].main(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,14 @@
+"""Where the shipped assets live, so the CLI, Triton models, benchmarks and tests agree."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+RESULTS = REPO_ROOT / "results"
+DEMO = REPO_ROOT / "build" / "demo"
+# The shipped demo target (a Hugging Face folder) and drafters, made by `make demo-assets`.
+DEMO_TARGET = Path(os.environ.get("DSPARK_TARGET", DEMO / "target"))
+DEMO_DRAFTERS = DEMO / "drafters"
+MODEL_REPOSITORY = REPO_ROOT / "model_repository"
