@@ -1,0 +1,143 @@
+"""`dspark profile-sps`: measure target steps/second vs token batch size B (DESIGN §7).
+
+One engine step = `TargetEngine.verify` of a ragged batch of R = ceil(B / tokens_per_request)
+requests holding B new tokens in total (what a speculative step sends: anchor + drafts),
+each request sitting on a cached context of `--context` tokens. After every timed step
+the slots are rolled back, so every repeat sees the same context lengths. Repeats run in
+rounds over all sizes and the fastest is kept per size (on a shared machine, other
+processes only ever add time). Writes
+sps.json (device, model, batch_tokens, steps_per_second) and a PNG of SPS and step time.
+Without `--target` and without the demo target, a random Qwen3 checkpoint (hidden 384,
+6 layers, vocab 8192) is created under /tmp and profiled; `model` in the JSON says so.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import platform
+import time
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from dspark.batch import RaggedBatch
+from dspark.paths import DEMO_TARGET, RESULTS
+from dspark.sps import SPSTable
+
+DEFAULT_SIZES = [1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256, 320, 384, 448, 512]
+RANDOM_TARGET = Path("/tmp/dspark_random_qwen3_h384_l6_v8192")
+
+
+def make_random_target(path: Path = RANDOM_TARGET) -> Path:
+    """A random Qwen3 HF folder (hidden 384, 6 layers, 6 heads / 2 KV heads, vocab 8192)."""
+    if (path / "config.json").is_file():
+        return path
+    import transformers
+
+    cfg = transformers.Qwen3Config(vocab_size=8192, hidden_size=384, intermediate_size=1024,
+                                   num_hidden_layers=6, num_attention_heads=6, num_key_value_heads=2,
+                                   head_dim=64, max_position_embeddings=4096, tie_word_embeddings=False,
+                                   bos_token_id=None, eos_token_id=0, pad_token_id=1)
+    torch.manual_seed(0)
+    transformers.Qwen3ForCausalLM(cfg).eval().save_pretrained(path)
+    return path
+
+
+def split_tokens(batch_tokens: int, tokens_per_request: int) -> list[int]:
+    """B tokens over R = ceil(B / tpr) requests, as evenly as possible (each >= 1)."""
+    num_requests = math.ceil(batch_tokens / tokens_per_request)
+    base, extra = divmod(batch_tokens, num_requests)
+    return [base + (1 if r < extra else 0) for r in range(num_requests)]
+
+
+def profile(target_path: str | Path, sizes: list[int], context: int = 256, tokens_per_request: int = 4,
+            repeats: int = 5, warmup: int = 1, seed: int = 0, show_progress: bool = True) -> SPSTable:
+    """Fastest of `repeats` verify() wall times per B -> SPSTable (on a shared machine other
+    processes only ever add time, so the minimum is the step's own cost)."""
+    from dspark.target import TargetEngine
+
+    max_requests = max(len(split_tokens(b, tokens_per_request)) for b in sizes)
+    longest = max(max(split_tokens(b, tokens_per_request)) for b in sizes)
+    engine = TargetEngine.from_pretrained(target_path, capacity=max_requests,
+                                          max_seq_len=context + longest + 8)
+    gen = torch.Generator().manual_seed(seed)
+    slots = [engine.allocate() for _ in range(max_requests)]
+    for start in range(0, max_requests, 16):  # cache a context in every slot, 16 prompts at a time
+        chunk = slots[start:start + 16]
+        prompts = torch.randint(0, engine.vocab_size, (len(chunk), context), generator=gen).tolist()
+        engine.prefill(chunk, prompts)
+    batches = []
+    for b in sizes:
+        lens = split_tokens(b, tokens_per_request)
+        tokens = [torch.randint(0, engine.vocab_size, (n,), generator=gen).tolist() for n in lens]
+        batches.append(RaggedBatch.from_requests(slots[:len(lens)], tokens, [context] * len(lens)))
+    best = [float("inf")] * len(sizes)
+    # Rounds over ALL sizes (not all repeats of one size in a row): a burst of load from
+    # other processes then slows every size a little instead of one size a lot.
+    for round_no in tqdm(range(warmup + repeats), desc="profile-sps rounds", disable=not show_progress):
+        for i, batch in enumerate(batches):
+            t0 = time.perf_counter()
+            engine.verify(batch)
+            elapsed = time.perf_counter() - t0
+            for slot in batch.slots.tolist():
+                engine.rollback(slot, context)
+            if round_no >= warmup:
+                best[i] = min(best[i], elapsed)
+    speeds = [1.0 / t for t in best]
+    device = f"cpu:{platform.processor() or platform.machine()} threads={torch.get_num_threads()}"
+    return SPSTable(sizes, speeds, device=device, model=str(target_path))
+
+
+def plot(tables: dict[str, SPSTable], out_png: str | Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax_sps, ax_time) = plt.subplots(1, 2, figsize=(10, 4))
+    for name, table in tables.items():
+        b = table.batch_tokens
+        ax_sps.step(b, table.steps_per_second, where="pre", marker=".", label=name)
+        ax_time.step(b, [1e3 / s for s in table.steps_per_second], where="pre", marker=".", label=name)
+    for ax, ylabel in ((ax_sps, "steps / second"), (ax_time, "step time (ms)")):
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("token batch size B = Σ(1 + ℓ_r)")
+        ax.set_ylabel(ylabel)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.suptitle("target engine step speed (next-bucket lookup)")
+    fig.tight_layout()
+    fig.savefig(out_png, dpi=120)
+    plt.close(fig)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--target", default=None,
+                   help=f"HF checkpoint folder (default: {DEMO_TARGET} if present, else a random Qwen3)")
+    p.add_argument("--sizes", default=",".join(map(str, DEFAULT_SIZES)), help="comma-separated B values")
+    p.add_argument("--context", type=int, default=256, help="cached tokens per request")
+    p.add_argument("--tokens-per-request", type=int, default=4, help="new tokens per request (1 + ℓ)")
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--warmup", type=int, default=1)
+    p.add_argument("--threads", type=int, default=1, help="torch CPU threads")
+    p.add_argument("--out", default=str(RESULTS / "sps_cpu.json"))
+    p.add_argument("--plot", default=None, help="PNG path (default: --out with .png)")
+
+
+def main(args: argparse.Namespace) -> int:
+    torch.set_num_threads(args.threads)
+    target = args.target
+    if target is None:
+        target = DEMO_TARGET if (Path(DEMO_TARGET) / "config.json").is_file() else make_random_target()
+    sizes = sorted({int(s) for s in args.sizes.split(",") if s.strip()})
+    table = profile(target, sizes, args.context, args.tokens_per_request, args.repeats, args.warmup)
+    if Path(target) == RANDOM_TARGET:
+        table.model = f"random Qwen3 (hidden 384, 6 layers, vocab 8192) at {target}"
+    table.save(args.out)
+    plot({f"{table.device}": table}, args.plot or str(Path(args.out).with_suffix(".png")))
+    for b, s in zip(table.batch_tokens, table.steps_per_second):
+        print(f"B={b:5d}  {s:9.2f} steps/s  {1e3 / s:8.2f} ms")
+    print(f"wrote {args.out}")
+    return 0

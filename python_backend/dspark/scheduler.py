@@ -1,0 +1,352 @@
+"""Prefix scheduler: how many draft tokens ℓ_r each request sends to verification (DESIGN §7).
+
+Every policy maps the current survival matrix a [R, γ] (a[r,j] = Π_{i≤j} ĉ[r,i], the
+calibrated probability that d_{r,1..j} are all accepted) and the requests' remaining
+output budgets to ℓ [R]. Candidates (r, j) are ranked ONCE per step by a[r,j] descending,
+ties broken by j then r (a stable sort of the j-major flattening). Because a is
+non-increasing in j, (r, j) always ranks before (r, j+1), so "admit the first K of the
+ranking" is prefix-closed and ℓ_r is simply the number of admitted candidates in row r.
+
+Policies (`make_policy(spec)`):
+  none, fixed:k, mtp1 (= fixed:1), threshold:t (stop at the first ĉ < t, ĉ_j = a_j / a_{j-1}),
+  dspark-theory (Algorithm 1: walk the ranking while Θ = (R + Σ admitted a)·SPS(R + K)
+      strictly improves, stop at the first non-improvement),
+  dspark (production: budget K_t = argmax_K (R + Σ top-K a)·SPS(R + K) on the survival
+      snapshot of step t−2, no early stop so jagged SPS cliffs are crossed; then admit
+      the global top-K_t candidates by CURRENT survival).
+  retrospective (NOT a production policy: the negative control of the Appendix A harness
+      and tests; dspark's global argmax evaluated on the CURRENT survivals).
+Caps for all: ℓ_r ≤ γ, ℓ_r ≤ remaining_r − 1 (the corrected/bonus token is always
+emitted), and B = Σ(1 + ℓ_r) ≤ max_batch_tokens (excess dropped from the bottom of the
+ranking, which keeps prefix-closure).
+
+dspark's argmax takes the LARGEST K among exact ties (flat SPS, zero survivals in the
+snapshot: a free token may still be accepted now).
+
+dspark history: after each decide() the admissible survivals are pushed. Step t
+uses the snapshot of step t−2; at the second call only t−1 exists and is used; at the
+first call (no history) the budget is K = R, i.e. an MTP-1-sized budget spread over the
+globally best candidates. If R changed since the snapshot, the snapshot's sorted values
+are quantile-resampled to R·γ entries (repetition when R doubled, etc.).
+
+Non-anticipation (DESIGN §6): admission of (r, j) may depend on d_{r,<j} (hence on
+a[r,≤j]), on other requests and on older steps, never on a[r,>j] (which is computed from
+d_{r,j}). Conclusion for each policy:
+- Ranking: the rank of (r, j) counts candidates ranked above it; (r, >j) are always
+  ranked below (non-increasing a, ties by j), so the rank of (r, j) and the SET of
+  candidates above it never depend on a[r,>j].
+- dspark: K_t comes from step t−2 (independent of this step's tokens), and (r, j) is
+  admitted iff rank(r, j) < K_t: non-anticipating.
+- dspark-theory: (r, j) at rank p is admitted iff Θ improved at every rank ≤ p. Θ at rank
+  i uses only the top-i values, all ranked above (r, j) or (r, j) itself, so the early
+  stop decision for (r, j) is a function of candidates that do not include a[r,>j]:
+  ALSO non-anticipating, despite using current survivals. Changing a[r,>j] may change
+  the admission of candidates ranked below (r, j) in OTHER rows (global interaction);
+  that is allowed, because another request's tokens act as independent external
+  randomness for them. What dspark-theory lacks is production value: it needs the
+  current survivals before the batch size is known (no overlap of scheduling with the
+  previous step) and its early stop halts at the first jagged SPS cliff.
+- retrospective: the argmax over K looks past declines at a[r,>j]: a high a[r,j+1]
+  can make admitting (r, j) worthwhile; that is the Appendix A bias.
+- Batch-token cap: keeps the admitted candidates with the best ranks, again a function
+  of candidates ranked above. threshold/fixed only look at ĉ_{r,≤j}.
+tests/test_scheduler.py checks this as a property over random batches.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import time
+from collections import deque
+
+import numpy as np
+import torch
+
+from dspark.sps import SPSTable
+
+
+def sts_survival(conf_logits: torch.Tensor, temperatures: torch.Tensor) -> torch.Tensor:
+    """Sequential Temperature Scaling (DESIGN §8): ĉ = σ(z / T_k), survival = cumprod over k."""
+    temps = torch.as_tensor(temperatures, dtype=conf_logits.dtype, device=conf_logits.device)
+    return torch.cumprod(torch.sigmoid(conf_logits / temps), dim=-1)
+
+
+_ONE_BITS = 0x3F800000  # IEEE-754 bits of 1.0f: for x in [0, 1], bits(x) is monotone in x
+_INELIGIBLE = 1 << 30  # rank key for capped-out candidates: after every admissible one
+
+
+class Policy:
+    """Base: caps, ranking, history and the batch-token cap. Subclasses pick the admitted set.
+
+    The hot path is numpy on the CPU (per-op overhead ~1 µs vs ~4 µs for small torch ops);
+    inputs and outputs are torch tensors."""
+
+    name = "policy"
+    uses_ranking_budget = False  # True: admit the first K of the ranking (K from _budget)
+
+    def __init__(self, sps: SPSTable | None = None, gamma: int = 7, max_batch_tokens: int = 4096):
+        self.sps = sps
+        self.gamma = int(gamma)
+        self.max_batch_tokens = int(max_batch_tokens)
+        # SPS at every B in [0, max_batch_tokens] so the hot path is a slice, not a search.
+        self._sps_by_b = None
+        self._buckets = np.zeros(0, dtype=np.int64)
+        if sps is not None:
+            self._sps_by_b = sps.lookup(torch.arange(self.max_batch_tokens + 1)).numpy()
+            self._buckets = np.asarray(sps.batch_tokens, dtype=np.int64)
+        self._snapshots: deque[np.ndarray] = deque(maxlen=2)  # admissible survivals of t−2, t−1
+        self._tiebreak: dict[tuple[int, int], np.ndarray] = {}
+        self.last_budget = 0
+
+    def reset(self) -> None:
+        self._snapshots.clear()
+        self.last_budget = 0
+
+    # -- subclass hooks ---------------------------------------------------------------------
+    def _admit_mask(self, a: np.ndarray, eligible: np.ndarray) -> np.ndarray:
+        """Per-request rule -> bool [R, γ] prefix-closed (fixed / threshold)."""
+        raise NotImplementedError
+
+    def _budget(self, keys: np.ndarray, num_requests: int, room: int) -> int:
+        """Ranking rule -> K (how many of the ranked candidates to admit)."""
+        raise NotImplementedError
+
+    # -- ranking ------------------------------------------------------------------------------
+    def _rank_keys(self, a: np.ndarray, eligible: np.ndarray) -> np.ndarray:
+        """Unique int64 keys [R, γ]; ascending key = ranking order: a desc, then j, then r.
+
+        key = (bits(1) − bits(a)) << 32 | j << 16 | r; capped-out candidates get _INELIGIBLE.
+        Unique keys let an unstable sort / partition reproduce the tie-broken order exactly."""
+        num_requests, gamma = a.shape
+        tiebreak = self._tiebreak.get((num_requests, gamma))
+        if tiebreak is None:
+            rows = np.arange(num_requests, dtype=np.int64)[:, None]
+            tiebreak = np.arange(gamma, dtype=np.int64) << 16 | rows
+            self._tiebreak = {(num_requests, gamma): tiebreak}
+        inv = np.where(eligible, _ONE_BITS - a.view(np.int32).astype(np.int64), _INELIGIBLE)
+        return inv << 32 | tiebreak
+
+    # -- the step -----------------------------------------------------------------------------
+    def decide(self, survival: torch.Tensor, remaining: torch.Tensor) -> torch.Tensor:
+        """survival [R, γ] f32 (non-increasing in j), remaining [R] i64 -> ℓ [R] i64."""
+        num_requests, width = survival.shape
+        gamma = min(width, self.gamma)
+        if num_requests == 0 or gamma == 0:
+            self.last_budget = 0
+            return torch.zeros(num_requests, dtype=torch.int64)
+        a = survival[:, :gamma].detach().cpu().numpy().astype(np.float32)  # a private copy
+        np.clip(a, 0.0, 1.0, out=a)
+        np.minimum.accumulate(a, axis=1, out=a)  # enforce non-increasing in j
+        a += np.float32(0.0)  # -0.0 -> +0.0 (its bits would rank it after capped-out candidates)
+        cap = np.clip(remaining.detach().cpu().numpy().astype(np.int64) - 1, 0, gamma)  # ℓ ≤ γ, rem−1
+        eligible = np.arange(gamma) < cap[:, None]
+        room = max(min(self.max_batch_tokens - num_requests, int(cap.sum())), 0)  # B ≤ max tokens
+        if self.uses_ranking_budget:
+            keys = self._rank_keys(a, eligible)
+            k = min(max(self._budget(keys, num_requests, room), 0), room) if room > 0 else 0
+            self.last_budget = k
+            lengths = self._admit_top(keys, k).sum(1)
+        else:
+            mask = self._admit_mask(a, eligible) & eligible
+            lengths = mask.sum(1)
+            if int(lengths.sum()) > room:  # batch-token cap: keep the best-ranked admitted ones
+                lengths = self._admit_top(self._rank_keys(a, mask), room).sum(1)
+            self.last_budget = int(lengths.sum())
+        self._snapshots.append(np.where(eligible, a, np.float32(0.0)))
+        return torch.from_numpy(lengths.astype(np.int64))
+
+    @staticmethod
+    def _admit_top(keys: np.ndarray, k: int) -> np.ndarray:
+        """bool like keys: the k smallest keys (unique keys, so exactly k)."""
+        if k <= 0:
+            return np.zeros(keys.shape, dtype=bool)
+        kth = np.partition(keys.reshape(-1), k - 1)[k - 1]
+        return keys <= kth
+
+    # -- helpers for budget policies ---------------------------------------------------------------
+    @staticmethod
+    def _sorted_from_keys(keys: np.ndarray) -> np.ndarray:
+        """Descending survivals (capped-out as 0) decoded from rank keys."""
+        bits = np.clip(_ONE_BITS - (np.sort(keys.reshape(-1)) >> 32), 0, None).astype(np.int32)
+        return bits.view(np.float32)
+
+    @staticmethod
+    def _sorted_from_survival(survival: np.ndarray) -> np.ndarray:
+        """Descending values of a non-negative f32 matrix (int order of the bits = float order)."""
+        return np.sort(survival.reshape(-1).view(np.int32))[::-1].view(np.float32)
+
+    def _theta(self, ranked: np.ndarray, num_requests: int, room: int) -> np.ndarray:
+        """Θ(K) = (R + Σ_{i<K} ranked_i) · SPS(R + K) for K = 0..room (f64)."""
+        if self._sps_by_b is None:
+            raise ValueError(f"policy {self.name!r} needs an SPS table")
+        gains = np.zeros(room + 1)
+        np.cumsum(ranked[:room], dtype=np.float64, out=gains[1:])
+        return (num_requests + gains) * self._sps_by_b[num_requests:num_requests + room + 1]
+
+
+class NoDraft(Policy):
+    name = "none"
+
+    def _admit_mask(self, a, eligible):
+        return np.zeros_like(eligible)
+
+
+class Fixed(Policy):
+    def __init__(self, k: int, **kw):
+        super().__init__(**kw)
+        self.k = int(k)
+        self.name = f"fixed:{self.k}"
+
+    def _admit_mask(self, a, eligible):
+        return np.broadcast_to(np.arange(a.shape[1]) < self.k, eligible.shape)
+
+
+class Threshold(Policy):
+    def __init__(self, t: float, **kw):
+        super().__init__(**kw)
+        self.t = float(t)
+        self.name = f"threshold:{self.t:g}"
+
+    def _admit_mask(self, a, eligible):
+        prev = np.concatenate([np.ones_like(a[:, :1]), a[:, :-1]], axis=1)
+        conf = a / np.maximum(prev, np.float32(1e-30))  # ĉ_j = a_j / a_{j-1} (0 once a hits 0)
+        return np.logical_and.accumulate(conf >= self.t, axis=1)
+
+
+class DSparkTheory(Policy):
+    """Algorithm 1: greedy walk down the ranking with an early stop at the first Θ non-improvement."""
+
+    name = "dspark-theory"
+    uses_ranking_budget = True
+
+    def _budget(self, keys, num_requests, room):
+        theta = self._theta(self._sorted_from_keys(keys), num_requests, room)
+        improves = theta[1:] > theta[:-1]
+        return int(np.logical_and.accumulate(improves).sum())
+
+
+class DSpark(Policy):
+    """Production: budget from the step t−2 snapshot (no early stop), top-K_t by current survival."""
+
+    name = "dspark"
+    uses_ranking_budget = True
+
+    def _budget(self, keys, num_requests, room):
+        if not self._snapshots:
+            return num_requests  # no history yet: an MTP-1-sized budget
+        snapshot = self._snapshots[0]  # t−2 when two exist, else t−1
+        if snapshot.size == keys.size and num_requests + room <= self._buckets[-1]:
+            return self._budget_at_bucket_tops(snapshot.reshape(-1), num_requests, room)
+        snapshot = self._sorted_from_survival(snapshot)
+        n = keys.size
+        if snapshot.size != n:  # R changed: quantile-resample the sorted snapshot to R·γ values
+            snapshot = snapshot[np.arange(n) * snapshot.size // n]
+        theta = self._theta(snapshot, num_requests, room)
+        return room - int(np.argmax(theta[::-1]))  # largest K among ties: free tokens are free
+
+    def _budget_at_bucket_tops(self, values: np.ndarray, num_requests: int, room: int) -> int:
+        """Same argmax without a full sort. Inside one SPS bucket Θ(K) is non-decreasing (SPS
+        constant, Σ top-K non-decreasing), so the largest maximiser is a bucket top (or K =
+        room): evaluate only those, with top-K sums from one multi-kth partition."""
+        tops = np.minimum(self._buckets[self._buckets >= num_requests], num_requests + room) - num_requests
+        cands = np.unique(tops)  # ascending; includes room (the bucket holding R + room)
+        positive = cands[cands > 0]
+        gains = np.zeros(len(cands))
+        if len(positive):
+            part = np.partition(-values, positive - 1)  # part[:K] = the K largest, for each K
+            gains[len(cands) - len(positive):] = -np.cumsum(part, dtype=np.float64)[positive - 1]
+        theta = (num_requests + gains) * self._sps_by_b[num_requests + cands]
+        return int(cands[len(cands) - 1 - int(np.argmax(theta[::-1]))])
+
+
+class Retrospective(Policy):
+    """NEGATIVE CONTROL ONLY: the global argmax on current survivals. Not lossless (Appendix A)."""
+
+    name = "retrospective"
+    uses_ranking_budget = True
+
+    def _budget(self, keys, num_requests, room):
+        return int(np.argmax(self._theta(self._sorted_from_keys(keys), num_requests, room)))
+
+
+def make_policy(spec: str, sps: SPSTable | None = None, gamma: int = 7,
+                max_batch_tokens: int = 4096) -> Policy:
+    """'none' | 'fixed:k' | 'mtp1' | 'threshold[:t]' (default t=0.5) | 'dspark-theory' | 'dspark'
+    (| 'retrospective', a deliberately non-lossless control for tests and the Appendix A harness)."""
+    kw = dict(sps=sps, gamma=gamma, max_batch_tokens=max_batch_tokens)
+    name, _, arg = spec.strip().partition(":")
+    if name == "none":
+        return NoDraft(**kw)
+    if name == "mtp1":
+        p = Fixed(1, **kw)
+        p.name = "mtp1"
+        return p
+    if name == "fixed":
+        return Fixed(int(arg), **kw)
+    if name == "threshold":
+        return Threshold(float(arg) if arg else 0.5, **kw)
+    if name in ("dspark-theory", "dspark", "retrospective"):
+        if sps is None:
+            raise ValueError(f"policy {name!r} needs an SPS table (dspark.sps.SPSTable)")
+        return {"dspark-theory": DSparkTheory, "dspark": DSpark, "retrospective": Retrospective}[name](**kw)
+    raise ValueError(f"unknown policy spec {spec!r}")
+
+
+def bench_decide(num_requests: int = 256, gamma: int = 16, repeats: int = 300, seed: int = 0) -> dict:
+    """Median wall time of decide() per policy on random survivals (single thread)."""
+    torch.set_num_threads(1)
+    gen = torch.Generator().manual_seed(seed)
+    sps = SPSTable.gpu_shaped()
+    conf = torch.rand(repeats, num_requests, gamma, generator=gen) * 0.5 + 0.5
+    survival = conf.cumprod(dim=2)
+    remaining = torch.randint(1, 512, (repeats, num_requests), generator=gen)
+    out = {"num_requests": num_requests, "gamma": gamma, "repeats": repeats,
+           "threads": torch.get_num_threads(), "cpu": platform.processor() or platform.machine(),
+           "load_average_1min": os.getloadavg()[0], "median_ms": {}, "median_cpu_ms": {},
+           "note": "median_ms is wall time; median_cpu_ms is this thread's CPU time (robust to other "
+                   "processes sharing the cores)"}
+    for spec in ("none", "mtp1", "fixed:7", "threshold:0.5", "dspark-theory", "dspark"):
+        policy = make_policy(spec, sps=sps, gamma=gamma)
+        wall, cpu = [], []
+        for i in range(repeats):
+            t0, c0 = time.perf_counter(), time.thread_time()
+            policy.decide(survival[i], remaining[i])
+            wall.append(time.perf_counter() - t0)
+            cpu.append(time.thread_time() - c0)
+        out["median_ms"][spec] = statistics.median(wall[10:]) * 1e3
+        out["median_cpu_ms"][spec] = statistics.median(cpu[10:]) * 1e3
+    # Machine-speed yardstick: one tiny numpy op (x + 1 on R·γ floats); ~1-2 µs on an idle core.
+    x = np.zeros(num_requests * gamma, dtype=np.float32)
+    ref = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        np.add(x, 1.0)
+        ref.append(time.perf_counter() - t0)
+    out["reference_numpy_op_us"] = statistics.median(ref) * 1e6
+    return out
+
+
+def _main() -> None:
+    from dspark.paths import RESULTS
+
+    p = argparse.ArgumentParser(description="scheduler micro-benchmark: decide() latency")
+    p.add_argument("--bench", action="store_true", help="time decide() for R=256, γ=16")
+    p.add_argument("--requests", type=int, default=256)
+    p.add_argument("--gamma", type=int, default=16)
+    p.add_argument("--out", default=str(RESULTS / "scheduler_bench.json"))
+    args = p.parse_args()
+    if not args.bench:
+        p.error("nothing to do (use --bench)")
+    result = bench_decide(args.requests, args.gamma)
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump(result, f, indent=2)
+    print(json.dumps(result, indent=2))
+
+
+if __name__ == "__main__":
+    _main()

@@ -1,0 +1,94 @@
+"""Steps-per-second table: how fast one engine step runs at token batch size B (DESIGN §7).
+
+`sps.json` holds `device`, `model`, `batch_tokens` (ascending profiled sizes) and
+`steps_per_second` (one per size). A lookup at B uses the NEXT profiled bucket >= B, like
+CUDA-graph buckets: a step of 37 tokens is padded to the 48-token graph and costs what
+48 costs, so the table is jagged on purpose and the scheduler sees the cliffs.
+
+Beyond the largest profiled size we extrapolate LINEARLY IN STEP TIME (1/SPS) with the
+slope of the last two buckets (never below zero slope): past the knee a step is
+compute-bound and its time grows ~linearly in tokens, so clamping would wrongly make
+extra tokens free. Below the smallest size the smallest bucket is used.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+# GPU-shaped synthetic table (see `SPSTable.gpu_shaped`). An 8B bf16 model on one
+# H100-class GPU: a decode step reads ~16 GB of weights at ~3.3 TB/s (~5 ms, memory-bound,
+# flat in B) plus ~1 ms of launch/sampling overhead; each token costs ~2·8e9 FLOP, i.e.
+# ~25 µs at ~650 TFLOP/s effective, so compute overtakes the weight read at B ≈ 200
+# (the knee). Buckets are the usual CUDA-graph capture sizes.
+GPU_BUCKETS = [1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 256, 320, 384, 512, 640, 768,
+               1024, 1536, 2048, 3072, 4096]
+GPU_OVERHEAD_MS = 1.0
+GPU_WEIGHT_READ_MS = 5.0
+GPU_MS_PER_TOKEN = 0.025
+
+
+@dataclass
+class SPSTable:
+    batch_tokens: list[int]
+    steps_per_second: list[float]
+    device: str = "unknown"
+    model: str = "unknown"
+
+    def __post_init__(self) -> None:
+        if len(self.batch_tokens) != len(self.steps_per_second) or not self.batch_tokens:
+            raise ValueError("batch_tokens and steps_per_second must be non-empty and the same length")
+        order = sorted(range(len(self.batch_tokens)), key=lambda i: self.batch_tokens[i])
+        self.batch_tokens = [int(self.batch_tokens[i]) for i in order]
+        self.steps_per_second = [float(self.steps_per_second[i]) for i in order]
+        if any(b < 1 for b in self.batch_tokens) or any(s <= 0 for s in self.steps_per_second):
+            raise ValueError("batch sizes must be >= 1 and steps/second > 0")
+        if len(set(self.batch_tokens)) != len(self.batch_tokens):
+            raise ValueError("batch_tokens must be distinct")
+        self._buckets = torch.tensor(self.batch_tokens, dtype=torch.int64)
+        self._sps = torch.tensor(self.steps_per_second, dtype=torch.float64)
+        step_time = 1.0 / self._sps
+        slope = 0.0
+        if len(self.batch_tokens) >= 2:
+            slope = float((step_time[-1] - step_time[-2]) / (self._buckets[-1] - self._buckets[-2]))
+        self._tail_slope = max(slope, 0.0)  # seconds per extra token beyond the largest bucket
+
+    def lookup(self, batch_tokens: torch.Tensor) -> torch.Tensor:
+        """Vectorised SPS for int tensor B (any shape) -> f64 tensor of the same shape."""
+        b = torch.as_tensor(batch_tokens, dtype=torch.int64)
+        idx = torch.searchsorted(self._buckets, b, right=False)  # first bucket >= B
+        inside = idx < len(self.batch_tokens)
+        sps = self._sps[idx.clamp(max=len(self.batch_tokens) - 1)]
+        extra = (b - self._buckets[-1]).clamp(min=0).to(torch.float64)
+        tail = 1.0 / (1.0 / self._sps[-1] + extra * self._tail_slope)
+        return torch.where(inside, sps, tail)
+
+    def __call__(self, batch_tokens: int) -> float:
+        return float(self.lookup(torch.tensor([int(batch_tokens)]))[0])
+
+    def step_time(self, batch_tokens: torch.Tensor) -> torch.Tensor:
+        """Seconds per step at B (vectorised)."""
+        return 1.0 / self.lookup(batch_tokens)
+
+    @classmethod
+    def gpu_shaped(cls) -> SPSTable:
+        """Synthetic H100-class table: flat to the knee (B ≈ 200), then linear in B (see constants)."""
+        ms = [GPU_OVERHEAD_MS + max(GPU_WEIGHT_READ_MS, GPU_MS_PER_TOKEN * b) for b in GPU_BUCKETS]
+        return cls(list(GPU_BUCKETS), [1000.0 / t for t in ms], device="synthetic-gpu-shaped",
+                   model="8B-class (memory-bound 6 ms to B~200, then +25 us/token)")
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    def save(self, path: str | Path) -> None:
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        Path(path).write_text(json.dumps(self.to_dict(), indent=2) + "\n")
+
+    @classmethod
+    def load(cls, path: str | Path) -> SPSTable:
+        d = json.loads(Path(path).read_text())
+        return cls(d["batch_tokens"], d["steps_per_second"], d.get("device", "unknown"),
+                   d.get("model", "unknown"))

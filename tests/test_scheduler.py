@@ -1,0 +1,235 @@
+"""Scheduler policies (DESIGN §7): caps, prefix-closure, Algorithm 1, the delayed budget and
+non-anticipation (DESIGN §6) as a property test that also catches a retrospective policy."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from dspark.scheduler import make_policy, sts_survival
+from dspark.sps import SPSTable
+
+ALL_SPECS = ["none", "mtp1", "fixed:3", "threshold:0.6", "dspark-theory", "dspark"]
+
+
+def random_batch(gen: torch.Generator, num_requests: int, gamma: int):
+    conf = torch.rand(num_requests, gamma, generator=gen) ** 0.5
+    remaining = torch.randint(1, 3 * gamma, (num_requests,), generator=gen)
+    return conf, remaining
+
+
+def random_jagged_sps(gen: torch.Generator, max_tokens: int) -> SPSTable:
+    """Random non-increasing SPS with cliffs, buckets 1..max_tokens."""
+    buckets = sorted(set([1, max_tokens] + torch.randint(1, max_tokens, (6,), generator=gen).tolist()))
+    drops = torch.rand(len(buckets), generator=gen) ** 3  # mostly small steps, some cliffs
+    sps = torch.cumprod(1.0 - 0.6 * drops, 0) * 100.0
+    return SPSTable(buckets, sps.tolist())
+
+
+def cliff_sps(gen: torch.Generator, num_requests: int, max_tokens: int) -> SPSTable:
+    """Appendix-A-like: flat up to a cliff just above B = R, then a gentle decline, so that
+    whether drafting pays off hinges on how many confident tokens exist (bait for lookahead)."""
+    cliff = num_requests + int(torch.randint(0, 3, (1,), generator=gen))
+    after = float(torch.empty(1).uniform_(0.4, 0.8, generator=gen))
+    buckets = list(range(1, max_tokens + 1))
+    return SPSTable(buckets, [100.0 if b <= cliff else 100.0 * after * 0.99 ** (b - cliff) for b in buckets])
+
+
+def reference_top_k(survival: torch.Tensor, remaining: torch.Tensor, k: int, gamma: int) -> list[int]:
+    """Python reference: rank eligible (r, j) by a desc, then j, then r; admit first k."""
+    cands = [(-float(survival[r, j]), j, r) for r in range(survival.shape[0]) for j in range(gamma)
+             if j < min(gamma, int(remaining[r]) - 1)]
+    lengths = [0] * survival.shape[0]
+    for _, _j, r in sorted(cands)[:k]:
+        lengths[r] += 1
+    return lengths
+
+
+def test_sts_survival_is_cumulative_product_of_scaled_sigmoids():
+    z = torch.tensor([[2.0, 0.0, -1.0], [1.0, 1.0, 1.0]])
+    temps = torch.tensor([1.0, 2.0, 0.5])
+    c = torch.sigmoid(z / temps)
+    expected = torch.stack([c[:, 0], c[:, 0] * c[:, 1], c[:, 0] * c[:, 1] * c[:, 2]], dim=1)
+    torch.testing.assert_close(sts_survival(z, temps), expected)
+
+
+@pytest.mark.parametrize("spec", ALL_SPECS)
+def test_caps_and_prefix_closure(spec):
+    gen = torch.Generator().manual_seed(1)
+    gamma = 6
+    for _trial in range(40):
+        num_requests = int(torch.randint(1, 12, (1,), generator=gen))
+        max_tokens = int(torch.randint(num_requests, num_requests * (gamma + 1) + 1, (1,), generator=gen))
+        policy = make_policy(spec, sps=random_jagged_sps(gen, 128), gamma=gamma, max_batch_tokens=max_tokens)
+        for _step in range(3):
+            conf, remaining = random_batch(gen, num_requests, gamma)
+            survival = conf.cumprod(1)
+            lengths = policy.decide(survival, remaining)
+            assert lengths.dtype == torch.int64 and lengths.shape == (num_requests,)
+            assert (lengths >= 0).all() and (lengths <= gamma).all()
+            assert (lengths <= (remaining - 1).clamp(min=0)).all()
+            assert int((1 + lengths).sum()) <= max_tokens
+            if spec in ("dspark", "dspark-theory"):
+                # the admitted set is exactly the top-K of the tie-broken ranking: prefix-closed
+                assert lengths.tolist() == reference_top_k(survival, remaining, policy.last_budget, gamma)
+
+
+def test_fixed_mtp1_none_threshold_rules():
+    # ĉ = (.9, .8, .5, .83) and (.5, .9, .89, .98)
+    a = torch.tensor([[0.9, 0.72, 0.36, 0.30], [0.5, 0.45, 0.40, 0.39]])
+    rem = torch.tensor([100, 100])
+    assert make_policy("none", gamma=4).decide(a, rem).tolist() == [0, 0]
+    assert make_policy("mtp1", gamma=4).decide(a, rem).tolist() == [1, 1]
+    assert make_policy("fixed:3", gamma=4).decide(a, rem).tolist() == [3, 3]
+    assert make_policy("fixed:9", gamma=4).decide(a, rem).tolist() == [4, 4]
+    assert make_policy("threshold:0.6", gamma=4).decide(a, rem).tolist() == [2, 0]
+    assert make_policy("fixed:3", gamma=4).decide(a, torch.tensor([1, 3])).tolist() == [0, 2]
+
+
+def test_batch_token_cap_drops_worst_ranked_with_tie_breaks():
+    a = torch.full((2, 2), 0.5)
+    rem = torch.tensor([10, 10])
+    # room = 5 − 2 = 3 draft tokens; ties broken by j then r: (0,1), (1,1), (0,2)
+    assert make_policy("fixed:2", gamma=2, max_batch_tokens=5).decide(a, rem).tolist() == [2, 1]
+    assert make_policy("fixed:2", gamma=2, max_batch_tokens=1).decide(a, rem).tolist() == [0, 0]
+
+
+def test_algorithm1_hand_computed():
+    a = torch.tensor([[0.9, 0.5], [0.8, 0.2]])
+    rem = torch.tensor([50, 50])
+    smooth = SPSTable([2, 3, 4, 5, 6], [1.0, 0.9, 0.8, 0.7, 0.6])
+    # Θ = 2·1 = 2, 2.9·0.9 = 2.61, 3.7·0.8 = 2.96, 4.2·0.7 = 2.94 (decline: stop) -> K = 2
+    theory = make_policy("dspark-theory", sps=smooth, gamma=2)
+    assert theory.decide(a, rem).tolist() == [1, 1] and theory.last_budget == 2
+    # a cliff right after B = R: Θ = 2, 2.9·0.6 = 1.74 -> Algorithm 1 stops at K = 0, while the
+    # global argmax crosses it: 3.7·.58 = 2.146, 4.2·.57 = 2.394, 4.4·.56 = 2.464 -> K = 4
+    cliff = SPSTable([2, 3, 4, 5, 6], [1.0, 0.6, 0.58, 0.57, 0.56])
+    assert make_policy("dspark-theory", sps=cliff, gamma=2).decide(a, rem).tolist() == [0, 0]
+    assert make_policy("retrospective", sps=cliff, gamma=2).decide(a, rem).tolist() == [2, 2]
+    dspark = make_policy("dspark", sps=cliff, gamma=2)
+    assert dspark.decide(a, rem).tolist() == [1, 1]  # no history: budget K = R
+    dspark.decide(a, rem)
+    assert dspark.decide(a, rem).tolist() == [2, 2] and dspark.last_budget == 4
+
+
+def test_dspark_budget_follows_t_minus_2_snapshot_only():
+    buckets = list(range(1, 1025))
+    sps = SPSTable(buckets, [1000.0 / (1.0 + 0.02 * b) for b in buckets])  # step time linear in B
+    gen = torch.Generator().manual_seed(3)
+    num_requests, gamma = 64, 7
+    rem = torch.full((num_requests,), 1000)
+    high = torch.full((num_requests, gamma), 0.97).cumprod(1)
+    low = torch.full((num_requests, gamma), 0.2).cumprod(1)
+
+    def budget(t2, t1, now) -> int:
+        policy = make_policy("dspark", sps=sps, gamma=gamma)
+        policy.decide(t2, rem)
+        policy.decide(t1, rem)
+        policy.decide(now, rem)
+        return policy.last_budget
+
+    base = budget(high, low, low)
+    assert base > 2 * num_requests  # confident snapshot -> large budget
+    assert budget(low, low, low) < num_requests // 2  # unconfident snapshot -> small budget
+    assert budget(high, high, low) == base  # step t−1 does not matter
+    for _ in range(10):  # the current confidences never change K_t
+        now = (torch.rand(num_requests, gamma, generator=gen)).cumprod(1)
+        assert budget(high, low, now) == base
+    # different R now than in the snapshot: the snapshot is resampled, budget scales with R
+    policy = make_policy("dspark", sps=sps, gamma=gamma)
+    policy.decide(high[:32], rem[:32])
+    policy.decide(high[:32], rem[:32])
+    policy.decide(low, rem)
+    assert abs(policy.last_budget - base) <= 2
+
+
+def admitted(policy_spec: str, sps: SPSTable, history: list, survival, remaining, gamma, max_tokens):
+    policy = make_policy(policy_spec, sps=sps, gamma=gamma, max_batch_tokens=max_tokens)
+    for old in history:
+        policy.decide(old, remaining)
+    return policy.decide(survival, remaining)
+
+
+def count_anticipation_violations(spec: str, trials: int, seed: int = 0) -> int:
+    """Perturb ĉ_{r,j+1..γ} (what a different d_{r,j} would give) and check that whether (r, i)
+    is admitted, for every i ≤ j, never changes. Other rows may change (global interaction)."""
+    gen = torch.Generator().manual_seed(seed)
+    gamma, violations = 4, 0
+    for trial in range(trials):
+        num_requests = int(torch.randint(1, 5, (1,), generator=gen))
+        max_tokens = num_requests * (gamma + 1)
+        sps = random_jagged_sps(gen, max_tokens) if trial % 2 else cliff_sps(gen, num_requests, max_tokens)
+        history = [random_batch(gen, num_requests, gamma)[0].cumprod(1) for _ in range(2)]
+        conf, remaining = random_batch(gen, num_requests, gamma)
+        r = int(torch.randint(0, num_requests, (1,), generator=gen))
+        j = int(torch.randint(0, gamma - 1, (1,), generator=gen))  # 0-based: positions ≤ j fixed
+        base = admitted(spec, sps, history, conf.cumprod(1), remaining, gamma, max_tokens)
+        for _ in range(4):
+            other = conf.clone()
+            other[r, j + 1:] = torch.rand(gamma - j - 1, generator=gen) ** 0.3
+            new = admitted(spec, sps, history, other.cumprod(1), remaining, gamma, max_tokens)
+            # (r, i) admitted iff ℓ_r > i; compare for i = 0..j
+            if min(int(base[r]), j + 1) != min(int(new[r]), j + 1):
+                violations += 1
+    return violations
+
+
+@pytest.mark.parametrize("spec", ["dspark", "dspark-theory", "threshold:0.6", "fixed:2"])
+def test_non_anticipation_property(spec):
+    assert count_anticipation_violations(spec, trials=200) == 0
+
+
+def test_property_catches_retrospective_policy():
+    assert count_anticipation_violations("retrospective", trials=200) >= 3
+
+
+def test_appendix_a_example_retrospective_admits_only_when_future_is_confident():
+    """SPS(1, 2, 3) = (1, 0.5, 0.45), R = 1, γ = 2 (DESIGN §6): Algorithm 1 never drafts,
+    the retrospective search drafts both tokens exactly when a1 + a2 > 1/0.45 − 1."""
+    sps = SPSTable([1, 2, 3], [1.0, 0.5, 0.45])
+    rem = torch.tensor([10])
+    for c1, c2 in [(0.9, 0.9), (0.9, 0.2), (0.6, 0.99), (1.0, 1.0)]:
+        a = torch.tensor([[c1, c1 * c2]])
+        assert make_policy("dspark-theory", sps=sps, gamma=2).decide(a, rem).tolist() == [0]
+        want = 2 if c1 + c1 * c2 > 1 / 0.45 - 1 + 1e-9 else 0
+        assert make_policy("retrospective", sps=sps, gamma=2).decide(a, rem).tolist() == [want]
+    assert math.isclose(1 / 0.45 - 1, 1.2222, rel_tol=1e-4)
+
+
+def test_empty_batch_and_reset():
+    policy = make_policy("dspark", sps=SPSTable.gpu_shaped())
+    assert policy.decide(torch.zeros(0, 7), torch.zeros(0, dtype=torch.int64)).numel() == 0
+    policy.decide(torch.ones(2, 7), torch.tensor([100, 100]))
+    policy.reset()
+    assert policy.last_budget == 0
+    assert policy.decide(torch.ones(2, 7), torch.tensor([100, 100])).tolist() == [1, 1]  # K = R again
+
+
+def test_unknown_spec_and_missing_sps():
+    with pytest.raises(ValueError):
+        make_policy("fastest")
+    with pytest.raises(ValueError):
+        make_policy("dspark")
+
+
+def test_dspark_budget_is_the_largest_global_argmax():
+    """The bucket-top shortcut and the resampling path agree with a brute-force argmax."""
+    gen = torch.Generator().manual_seed(7)
+    gamma = 5
+    for trial in range(60):
+        num_requests = int(torch.randint(1, 20, (1,), generator=gen))
+        sps = random_jagged_sps(gen, num_requests * (gamma + 1) + (0 if trial % 2 else -3))
+        snapshot = (torch.rand(num_requests, gamma, generator=gen) ** 0.5).cumprod(1)
+        snapshot[0, -1] = 0.0  # exact ties in Θ: the largest K wins
+        rem = torch.full((num_requests,), 100)
+        policy = make_policy("dspark", sps=sps, gamma=gamma, max_batch_tokens=10_000)
+        policy.decide(snapshot, rem)
+        policy.decide(torch.rand(num_requests, gamma, generator=gen), rem)
+        policy.decide(torch.rand(num_requests, gamma, generator=gen), rem)
+        values = sorted(snapshot.reshape(-1).tolist(), reverse=True)
+        theta = [(num_requests + sum(values[:k])) * sps(num_requests + k) for k in range(len(values) + 1)]
+        best = max(theta)
+        want = max(k for k, t in enumerate(theta) if t >= best * (1 - 1e-12))
+        assert policy.last_budget == want, trial

@@ -1,0 +1,76 @@
+"""SPS table (DESIGN §7): next-bucket lookup, tail extrapolation, JSON round trip."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from dspark.sps import SPSTable
+
+
+def test_next_bucket_lookup_is_jagged():
+    table = SPSTable([4, 1, 16], [80.0, 100.0, 50.0], device="cpu", model="m")  # unsorted on purpose
+    assert table.batch_tokens == [1, 4, 16]
+    assert table(1) == 100.0
+    assert table(2) == 80.0 and table(4) == 80.0  # padded up to the 4-token bucket
+    assert table(5) == 50.0 and table(16) == 50.0
+    got = table.lookup(torch.tensor([[0, 1, 3], [4, 9, 16]]))
+    assert got.shape == (2, 3)
+    assert got.tolist() == [[100.0, 100.0, 80.0], [80.0, 50.0, 50.0]]
+
+
+def test_extrapolates_linearly_in_step_time_beyond_largest_bucket():
+    table = SPSTable([8, 16], [100.0, 50.0])  # step time 10 ms -> 20 ms: 1.25 ms per token
+    assert table(24) == pytest.approx(1.0 / (0.020 + 8 * 0.00125))
+    assert table(1000) < table(100) < table(16)
+    flat = SPSTable([8, 16], [50.0, 100.0])  # measured noise: never extrapolate a speed-up
+    assert flat(64) == pytest.approx(100.0)
+    assert SPSTable([8], [10.0])(100) == 10.0
+
+
+def test_gpu_shaped_is_flat_to_knee_then_rising_step_time():
+    table = SPSTable.gpu_shaped()
+    assert table(1) == table(128) == table(192)
+    times = table.step_time(torch.tensor(table.batch_tokens))
+    assert bool((times[1:] >= times[:-1]).all())
+    assert table(512) < 0.6 * table(192)
+    assert table.device.startswith("synthetic")
+
+
+def test_save_load_round_trip(tmp_path):
+    table = SPSTable([1, 2, 8], [10.0, 9.0, 5.0], device="cpu", model="tiny")
+    path = tmp_path / "sps.json"
+    table.save(path)
+    assert set(json.loads(path.read_text())) == {"batch_tokens", "steps_per_second", "device", "model"}
+    again = SPSTable.load(path)
+    assert again == table
+    assert again(3) == 5.0
+
+
+@pytest.mark.parametrize("sizes,speeds", [([], []), ([1, 2], [1.0]), ([0, 2], [1.0, 1.0]),
+                                          ([1, 2], [1.0, 0.0]), ([2, 2], [1.0, 1.0])])
+def test_rejects_bad_tables(sizes, speeds):
+    with pytest.raises(ValueError):
+        SPSTable(sizes, speeds)
+
+
+def test_profile_sps_on_tiny_checkpoint(tiny_ckpt, tmp_path):
+    import argparse
+
+    from dspark import profile_sps
+
+    assert profile_sps.split_tokens(9, 4) == [3, 3, 3]
+    assert profile_sps.split_tokens(1, 4) == [1]
+    parser = argparse.ArgumentParser()
+    profile_sps.add_arguments(parser)
+    out = tmp_path / "sps.json"
+    args = parser.parse_args(["--target", str(tiny_ckpt), "--sizes", "1,4,16", "--context", "16",
+                              "--repeats", "1", "--out", str(out)])
+    assert profile_sps.main(args) == 0
+    table = SPSTable.load(out)
+    assert table.batch_tokens == [1, 4, 16]
+    assert all(s > 0 for s in table.steps_per_second)
+    assert table.device.startswith("cpu") and str(tiny_ckpt) in table.model
+    assert out.with_suffix(".png").stat().st_size > 0
