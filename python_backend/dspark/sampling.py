@@ -61,8 +61,22 @@ def sampling_probs(
     n, v = logits.shape
     x = logits.float()
     greedy = temperature <= 0
+    onehot = torch.zeros_like(x).scatter_(-1, x.argmax(-1, keepdim=True), 1.0)
+    if bool(greedy.all()):
+        return onehot
     t = torch.where(greedy, torch.ones_like(temperature), temperature)
-    sorted_x, order = (x / t[:, None]).sort(dim=-1, descending=True, stable=True)
+    probs = torch.softmax(x / t[:, None], dim=-1)
+    filtered = (((top_k > 0) & (top_k < v)) | (top_p < 1.0)) & ~greedy
+    if bool(filtered.any()):  # the sort is the costly part: only rows with top-k/top-p pay it
+        rows = filtered.nonzero().squeeze(-1)
+        probs[rows] = _top_k_top_p(x[rows] / t[rows, None], top_k[rows], top_p[rows])
+    return torch.where(greedy[:, None], onehot, probs)
+
+
+def _top_k_top_p(x: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """softmax restricted to the top-k, then to the smallest top set whose mass reaches top_p."""
+    v = x.shape[-1]
+    sorted_x, order = x.sort(dim=-1, descending=True, stable=True)
     rank = torch.arange(v, device=x.device)
     k = torch.where(top_k > 0, top_k.clamp(max=v), torch.full_like(top_k, v))
     keep = rank[None, :] < k[:, None]
@@ -70,11 +84,7 @@ def sampling_probs(
     mass_before = p_sorted.cumsum(-1) - p_sorted
     keep &= mass_before < top_p[:, None]
     p_sorted = torch.softmax(sorted_x.masked_fill(~keep, float("-inf")), dim=-1)
-    probs = torch.zeros_like(x).scatter_(-1, order, p_sorted)
-    if greedy.any():
-        onehot = torch.zeros_like(x).scatter_(-1, x.argmax(-1, keepdim=True), 1.0)
-        probs = torch.where(greedy[:, None], onehot, probs)
-    return probs
+    return torch.zeros_like(x).scatter_(-1, order, p_sorted)
 
 
 def sample(probs: torch.Tensor, generators: list[torch.Generator | None]) -> torch.Tensor:

@@ -1,0 +1,397 @@
+"""The speculative engine loop (dspark.engine): lossless against plain decoding for every
+policy and drafter, the exact output distribution at T > 0, continuous batching,
+cancellation, no slot leaks, drafter failures and reproducibility."""
+
+from __future__ import annotations
+
+import random
+import threading
+import time
+
+import pytest
+import torch
+from scipy.stats import chisquare
+from tiny import make_tiny_checkpoint
+
+from dspark.drafter import NGramDrafter, load_drafter
+from dspark.engine import TIMERS, SpecEngine
+from dspark.interfaces import DraftBlock
+from dspark.sampling import SamplingParams, param_tensors, sampling_probs
+from dspark.sps import SPSTable
+from dspark.target import TargetEngine
+
+POLICIES = ["none", "fixed:1", "fixed:3", "threshold:0.5", "dspark-theory", "dspark"]
+SPS = SPSTable.gpu_shaped()
+MAX_TOKENS = 20
+
+
+class RandomDrafter:
+    """Test double standing for any drafter: random tokens drawn from random distributions,
+    random confidences. It also checks the engine's bookkeeping: after every extend its
+    context holds exactly the tokens in the target's KV slot."""
+
+    def __init__(self, gamma: int, target: TargetEngine, seed: int = 0, sharpness: float = 2.0) -> None:
+        self.gamma, self.target, self.sharpness = gamma, target, sharpness
+        self.gen = torch.Generator().manual_seed(seed)
+        self.contexts: dict[int, list[int]] = {}
+
+    def start(self, slot, prompt, taps):
+        assert taps.shape == (len(prompt), self.target.tap_dim)
+        self.contexts[slot] = list(prompt)
+
+    def release(self, slot):
+        del self.contexts[slot]
+
+    def extend(self, slots, tokens, taps):
+        for slot, toks, tp in zip(slots, tokens, taps):
+            assert tp.shape == (len(toks), self.target.tap_dim)
+            self.contexts[slot].extend(toks.tolist())
+            assert len(self.contexts[slot]) == self.target.length(slot)
+
+    def propose(self, slots, anchors, params, generators):
+        r, v = len(slots), self.target.vocab_size
+        logits = torch.randn(r, self.gamma, v, generator=self.gen) * self.sharpness
+        probs = sampling_probs(logits.reshape(r * self.gamma, v),
+                               *(x.repeat_interleave(self.gamma) for x in param_tensors(params)))
+        probs = probs.reshape(r, self.gamma, v)
+        tokens = torch.stack([torch.multinomial(probs[i], 1, generator=g or self.gen)[:, 0]
+                              for i, g in enumerate(generators)])
+        return DraftBlock(tokens, probs, torch.randn(r, self.gamma, generator=self.gen) * 2 + 1)
+
+
+class FlakyDrafter(NGramDrafter):
+    """Raises in propose on every `every`-th call (and once in extend if asked)."""
+
+    def __init__(self, gamma: int, every: int = 2, fail_extend: bool = False) -> None:
+        super().__init__(gamma)
+        self.calls, self.every, self.fail_extend = 0, every, fail_extend
+
+    def propose(self, *args):
+        self.calls += 1
+        if self.calls % self.every == 0:
+            raise RuntimeError("drafter down")
+        return super().propose(*args)
+
+    def extend(self, slots, tokens, taps):
+        if self.fail_extend:
+            self.fail_extend = False
+            raise RuntimeError("extend failed")
+        super().extend(slots, tokens, taps)
+
+
+@pytest.fixture(scope="module")
+def target(tiny_ckpt) -> TargetEngine:
+    torch.set_num_threads(1)
+    return TargetEngine.from_pretrained(tiny_ckpt, capacity=8, max_seq_len=128)
+
+
+@pytest.fixture(scope="module")
+def prompts() -> list[list[int]]:
+    """Random prompts plus repetitive ones (so the n-gram drafter finds matches)."""
+    g = torch.Generator().manual_seed(0)
+    out = [torch.randint(3, 300, (int(n),), generator=g).tolist() for n in (3, 9, 17, 30)]
+    out += [[5, 6, 7, 8] * 5, [40, 41] * 8, [100, 101, 102] * 3 + [100], [7] * 12]
+    return out
+
+
+@pytest.fixture(scope="module")
+def reference(target, prompts) -> list[list[int]]:
+    return target.generate(prompts, MAX_TOKENS, stop_token_ids=[])
+
+
+def make_drafter(kind: str, target: TargetEngine, gamma: int = 4):
+    return NGramDrafter(gamma=gamma, n=3) if kind == "ngram" else RandomDrafter(gamma, target, seed=1)
+
+
+def check_clean(engine: SpecEngine, target: TargetEngine) -> None:
+    assert not engine.has_work() and engine.num_active == 0
+    assert target.num_free_slots() == target.cache.capacity
+    if engine.drafter is not None and hasattr(engine.drafter, "contexts"):
+        assert engine.drafter.contexts == {}
+
+
+@pytest.mark.parametrize("drafter_kind", ["ngram", "random"])
+@pytest.mark.parametrize("policy", POLICIES)
+def test_greedy_equals_plain_staggered_batch(target, prompts, reference, policy, drafter_kind):
+    """Batch 8 with arrivals spread over steps: token-identical to plain greedy decoding."""
+    engine = SpecEngine(target, make_drafter(drafter_kind, target), policy, sps=SPS)
+    reqs = []
+    for p in prompts:  # one new request per step: continuous batching with different phases
+        reqs.append(engine.add_request(p, MAX_TOKENS, stop_token_ids=[]))
+        engine.step()
+    engine.run_until_done()
+    assert [r.output for r in reqs] == reference
+    assert all(r.finish_reason == "length" for r in reqs)
+    check_clean(engine, target)
+    m = engine.metrics
+    if policy == "none":
+        assert m.verify_budget == 0 and sum(m.verified) == 0
+    else:
+        assert m.verify_budget > 0 and sum(m.accepted) <= sum(m.verified) <= sum(m.drafted)
+        assert all(r.tau >= 1.0 for r in reqs)
+
+
+@pytest.mark.parametrize("drafter_kind", ["ngram", "random"])
+@pytest.mark.parametrize("policy", ["fixed:3", "dspark"])
+def test_greedy_equals_plain_batch1(target, prompts, reference, policy, drafter_kind):
+    engine = SpecEngine(target, make_drafter(drafter_kind, target), policy, sps=SPS)
+    for p, ref in list(zip(prompts, reference))[2:6]:
+        req = engine.add_request(p, MAX_TOKENS, stop_token_ids=[])
+        engine.run_until_done()
+        assert req.output == ref
+    check_clean(engine, target)
+
+
+def test_ngram_drafter_accepts_on_repetitive_text(target, prompts):
+    """A prompt that repeats a pattern: the n-gram drafter's lookups get accepted (τ > 1)."""
+    engine = SpecEngine(target, NGramDrafter(gamma=4), "fixed:4")
+    reqs = [engine.add_request(p, MAX_TOKENS, stop_token_ids=[]) for p in prompts]
+    engine.run_until_done()
+    assert sum(engine.metrics.accepted) > 0
+    assert max(r.tau for r in reqs) > 1.0
+    assert engine.metrics.steps < MAX_TOKENS - 1  # fewer verify steps than plain decoding needs
+
+
+def test_ngram_lookup():
+    d = NGramDrafter(gamma=6, n=3)
+    tokens, conf = d.lookup([5, 1, 2, 3, 4, 1, 2, 3])
+    assert tokens == [4, 1, 2, 3, 4, 1]  # continuation of the earlier [1, 2, 3], wrapping with period 4
+    _, conf1 = d.lookup([9, 8, 1, 2, 7, 2])  # only a 1-token suffix matches
+    tokens_miss, conf_miss = d.lookup([1, 2, 3, 4])
+    assert tokens_miss == [4] * 6 and conf_miss < conf1 < conf
+    assert isinstance(load_drafter("ngram:2", gamma=3), NGramDrafter)
+
+
+def test_stop_tokens_strings_and_streaming(target, prompts, reference):
+    engine = SpecEngine(target, NGramDrafter(gamma=4), "fixed:3")
+    ref = reference[4]
+    stop_tok = ref[5]
+    cut = ref.index(stop_tok) + 1
+    streamed: dict[str, list] = {}
+
+    def on_tokens(rid, ids, finished, reason):
+        assert not streamed.get(rid, [None, False])[1], "tokens after the final callback"
+        prev = streamed.get(rid, [[], False, None])[0]
+        streamed[rid] = [prev + ids, finished, reason]
+
+    r1 = engine.add_request(prompts[4], MAX_TOKENS, stop_token_ids=[stop_tok], on_tokens=on_tokens)
+    text = target.tokenizer.decode(ref)
+    needle = text[len(text) // 2: len(text) // 2 + 2]
+    r2 = engine.add_request(prompts[4], MAX_TOKENS, stop_token_ids=[], stop_strings=[needle],
+                            on_tokens=on_tokens)
+    engine.run_until_done()
+    assert r1.output == ref[:cut] and r1.finish_reason == "stop"
+    assert needle in target.tokenizer.decode(r2.output) and r2.finish_reason == "stop"
+    assert needle not in target.tokenizer.decode(r2.output[:-1]) and r2.output == ref[:len(r2.output)]
+    for r in (r1, r2):
+        assert streamed[r.request_id] == [r.output, True, "stop"]
+    check_clean(engine, target)
+
+
+def test_max_seq_len_matches_plain(tiny_ckpt):
+    small = TargetEngine.from_pretrained(tiny_ckpt, capacity=2, max_seq_len=24)
+    prompt = [40, 41] * 8
+    ref = small.generate([prompt], 50, stop_token_ids=[])[0]
+    engine = SpecEngine(small, NGramDrafter(gamma=5), "fixed:5")
+    req = engine.add_request(prompt, 50, stop_token_ids=[])
+    engine.run_until_done()
+    assert req.output == ref and req.finish_reason == "length"
+    assert len(prompt) + len(ref) == small.max_seq_len + 1  # the last token is emitted, never cached
+
+
+def test_drafter_failures_fall_back_losslessly(target, prompts, reference):
+    for drafter in (FlakyDrafter(4, every=2), FlakyDrafter(4, every=1000, fail_extend=True)):
+        engine = SpecEngine(target, drafter, "fixed:4")
+        reqs = [engine.add_request(p, MAX_TOKENS, stop_token_ids=[]) for p in prompts]
+        engine.run_until_done()
+        assert [r.output for r in reqs] == reference
+        assert engine.metrics.drafter_fallbacks >= 1
+        check_clean(engine, target)
+    assert sum(not r.drafting for r in reqs) > 0  # the failed extend turned those requests plain
+
+
+def test_cancel_frees_slot(target, prompts):
+    engine = SpecEngine(target, NGramDrafter(gamma=3), "fixed:3")
+    events = []
+    on = lambda rid, ids, fin, reason: events.append((rid, fin, reason))
+    reqs = [engine.add_request(p, 100, stop_token_ids=[], on_tokens=on) for p in prompts]
+    extra = engine.add_request(prompts[0], 100, on_tokens=on)  # waits: all 8 slots busy
+    engine.step()
+    assert target.num_free_slots() == 0 and extra.slot == -1
+    engine.cancel(reqs[0].request_id)
+    engine.cancel(extra.request_id)
+    engine.step()
+    assert reqs[0].finish_reason == "cancelled" and extra.finish_reason == "cancelled" and extra.slot == -1
+    assert target.num_free_slots() == 1
+    assert (reqs[0].request_id, True, "cancelled") in events
+    assert (extra.request_id, True, "cancelled") in events
+    # the serving loop in a background thread; cancel from this thread while it runs
+    stop = threading.Event()
+    th = threading.Thread(target=engine.run_forever, args=(stop,))
+    th.start()
+    for r in reqs[1:]:
+        engine.cancel(r.request_id)
+    late = engine.add_request(prompts[1], 3, stop_token_ids=[], on_tokens=on)  # picked up while idle-waiting
+    deadline = time.monotonic() + 30
+    while engine.has_work() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    stop.set()
+    th.join(30)
+    assert not th.is_alive() and late.finish_reason == "length" and len(late.output) == 3
+    reqs.append(late)
+    assert all(r.finish_reason in ("cancelled", "length") for r in reqs)
+    assert sum(fin for _, fin, _ in events) == len(reqs) + 1  # exactly one final callback each
+    check_clean(engine, target)
+
+
+class BrokenTarget:
+    """Stands for a remote target that fails mid-run: verify raises on its `fail_at`-th call."""
+
+    def __init__(self, target: TargetEngine, fail_at: int) -> None:
+        self.target, self.fail_at, self.calls = target, fail_at, 0
+
+    def __getattr__(self, name):
+        return getattr(self.target, name)
+
+    def verify(self, batch):
+        self.calls += 1
+        if self.calls == self.fail_at:
+            raise RuntimeError("target down")
+        return self.target.verify(batch)
+
+
+def test_abort_after_target_failure(target, prompts):
+    broken = BrokenTarget(target, fail_at=3)
+    engine = SpecEngine(broken, NGramDrafter(gamma=3), "fixed:3")
+    finals = []
+    on = lambda rid, ids, fin, why: fin and finals.append(why)
+    reqs = [engine.add_request(p, 50, stop_token_ids=[], on_tokens=on) for p in prompts + prompts[:2]]
+    with pytest.raises(RuntimeError, match="target down"):
+        engine.run_until_done()
+    engine.abort("error")
+    assert all(r.finish_reason == "error" for r in reqs) and finals == ["error"] * len(reqs)
+    check_clean(engine, target)
+
+
+def run_random_requests(target: TargetEngine, n: int, seed: int) -> None:
+    """n random requests (random lengths, params, stops) arriving over time; random cancels."""
+    rng = random.Random(seed)
+    drafter = RandomDrafter(3, target, seed=seed) if seed % 2 else NGramDrafter(gamma=3)
+    engine = SpecEngine(target, drafter, rng.choice(["dspark", "threshold:0.5", "fixed:2"]), sps=SPS)
+    finals: dict[str, int] = {}
+    streamed: dict[str, list[int]] = {}
+
+    def on(rid, ids, fin, reason):
+        streamed.setdefault(rid, []).extend(ids)
+        finals[rid] = finals.get(rid, 0) + int(fin)
+
+    reqs, pending = [], n
+    while pending or engine.has_work():
+        for _ in range(min(pending, rng.randint(0, 4))):
+            params = SamplingParams(temperature=rng.choice([0.0, 0.7, 1.0]), top_k=rng.choice([0, 5]),
+                                    seed=rng.randint(0, 99))
+            prompt = [rng.randrange(3, 300) for _ in range(rng.randint(1, 12))]
+            reqs.append(engine.add_request(prompt, rng.randint(1, 8), params, on_tokens=on))
+            pending -= 1
+        if reqs and rng.random() < 0.3:
+            engine.cancel(rng.choice(reqs).request_id)
+        engine.step()
+    check_clean(engine, target)
+    assert len(reqs) == n and all(r.finished for r in reqs)
+    assert all(finals[r.request_id] == 1 for r in reqs)
+    assert all(streamed.get(r.request_id, []) == r.output and len(r.output) <= r.max_tokens for r in reqs)
+    assert any(r.finish_reason == "cancelled" for r in reqs)
+
+
+def test_no_leak_random_requests(target):
+    run_random_requests(target, 100, seed=1)
+
+
+@pytest.mark.slow
+def test_no_leak_1000_random_requests(target):
+    run_random_requests(target, 500, seed=2)
+    run_random_requests(target, 500, seed=3)
+
+
+def test_seeded_sampling_reproducible(target, prompts):
+    def run(offset: int):
+        engine = SpecEngine(target, RandomDrafter(4, target, seed=5), "dspark", sps=SPS)
+        params = [SamplingParams(temperature=1.0, top_p=0.9, seed=i + offset) for i in range(len(prompts))]
+        return engine.generate(prompts, MAX_TOKENS, params)
+
+    first = run(0)
+    assert run(0) == first
+    assert run(100) != first
+
+
+# ---- the output distribution through the whole engine (DESIGN §6) ----
+
+VOCAB = 8
+
+
+@pytest.fixture(scope="module")
+def small_vocab_target(tmp_path_factory) -> TargetEngine:
+    path = make_tiny_checkpoint(tmp_path_factory.mktemp("v8"), "qwen3", vocab_size=VOCAB, hidden_size=32,
+                                intermediate_size=64, num_hidden_layers=2, initializer_range=0.5, seed=3)
+    return TargetEngine.from_pretrained(path, capacity=64, max_seq_len=16)
+
+
+def exact_pair_distribution(target: TargetEngine, prompt: list[int], params: SamplingParams) -> torch.Tensor:
+    """P(t2, t3) [V, V] = Σ_t1 p(t1) p(t2 | t1) p(t3 | t1, t2), from the target alone."""
+    v = VOCAB
+    prob = lambda logits: sampling_probs(logits, *param_tensors([params] * logits.shape[0]))
+
+    def next_probs(seqs):
+        slots = [target.allocate() for _ in seqs]
+        logits, _ = target.prefill(slots, seqs)
+        for s in slots:
+            target.release(s)
+        return prob(logits)
+
+    p1 = next_probs([prompt])[0]
+    p2 = next_probs([prompt + [a] for a in range(v)])  # [t1, t2]
+    p3 = next_probs([prompt + [a, b] for a in range(v) for b in range(v)]).reshape(v, v, v)  # [t1, t2, t3]
+    return torch.einsum("a,ab,abc->bc", p1, p2, p3)
+
+
+@pytest.mark.parametrize("policy,params", [
+    ("fixed:2", SamplingParams(temperature=1.0)),
+    pytest.param("dspark", SamplingParams(temperature=0.8, top_k=5, top_p=0.9), marks=pytest.mark.slow),
+])
+def test_output_distribution_exact(small_vocab_target, policy, params):
+    """Tokens 2 and 3 come from one verify step (two drafts, accept/resample/bonus): their joint
+    distribution through the engine with a random drafter matches the target's (chi-square)."""
+    target, prompt, samples = small_vocab_target, [1, 2, 3], 4000
+    expected = exact_pair_distribution(target, prompt, params).flatten() * samples
+    drafter = RandomDrafter(2, target, seed=7, sharpness=1.0)
+    engine = SpecEngine(target, drafter, policy, sps=SPS)
+    seeded = [SamplingParams(params.temperature, params.top_k, params.top_p, seed=i) for i in range(samples)]
+    reqs = [engine.add_request(prompt, 4, sp, stop_token_ids=[]) for sp in seeded]
+    engine.run_until_done()
+    counts = torch.zeros(VOCAB * VOCAB)
+    for r in reqs:
+        counts[r.output[1] * VOCAB + r.output[2]] += 1
+    assert sum(engine.metrics.accepted) > 0 and sum(engine.metrics.verified) > sum(engine.metrics.accepted)
+    big = expected >= 5  # pool the rare cells so the chi-square approximation holds
+    obs, exp = counts[big], expected[big]
+    if expected[~big].sum() > 0:
+        obs, exp = torch.cat([obs, counts[~big].sum()[None]]), torch.cat([exp, expected[~big].sum()[None]])
+    assert counts[expected == 0].sum() == 0  # never a token outside the target's top-k/top-p support
+    assert chisquare(obs.numpy(), exp.numpy() * obs.sum().item() / exp.sum().item()).pvalue > 1e-3
+
+
+def test_bench_smoke(tiny_ckpt, tmp_path):
+    """`dspark bench` end to end on the tiny checkpoint (no transformers baselines)."""
+    import json
+
+    from dspark.cli import main
+
+    out = tmp_path / "bench.json"
+    assert main(["bench", "--target", str(tiny_ckpt), "--n-prompts", "1", "--max-tokens", "6", "--gamma", "3",
+                 "--batch-sizes", "2", "--no-hf", "--sps", "gpu", "--threads", "1", "--out", str(out)]) == 0
+    result = json.loads(out.read_text())
+    batch1 = result["batch1_tokens_per_s"]
+    assert set(batch1) == {"dspark", "plain", "hf_plain", "hf_assisted", "hf_prompt_lookup"}
+    assert batch1["dspark"] > 0 and result["aggregate_tokens_per_s"]["2"]["plain"] > 0
+    assert set(result["step_time_ms"]["batch2_dspark"]) == set(TIMERS)
+    assert out.with_suffix(".png").is_file()
