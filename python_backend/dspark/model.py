@@ -1,0 +1,347 @@
+"""Our decoder-only transformer (Qwen3 / Llama / Qwen2 family), DESIGN §4.
+
+Two forwards share the same weights:
+- `forward_train(tokens [B,T])`: plain causal, autograd-friendly (demo-model and drafter training).
+- `forward_ragged(...)`: the serving forward over a flattened ragged batch that reads and
+  writes the fixed-slot KV cache (`dspark.kv_cache`), returning logits and the taps
+  (hidden states after `tap_layers`) the drafter conditions on.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from dspark.config import ModelConfig, rope_inv_freq
+
+
+def default_tap_layers(num_layers: int, num_taps: int = 3) -> list[int]:
+    """DFlash's rule: spread num_taps (0-based) layer ids evenly over [1, L-3]; a tap is the
+    residual stream after that layer. Tiny models without room fall back to [0, L-1]."""
+    if num_taps < 1:
+        raise ValueError(f"num_taps must be >= 1, got {num_taps}")
+    start, end = 1, num_layers - 3
+    if end - start + 1 < num_taps:
+        start, end = 0, num_layers - 1
+    if num_taps == 1:
+        return [(start + end) // 2]
+    return [int(round(start + i * (end - start) / (num_taps - 1))) for i in range(num_taps)]
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # weight * x / sqrt(mean(x^2) + eps) in one call (bit-equal to the HF formula in f32)
+        return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
+
+
+def rope_cos_sin(inv_freq: torch.Tensor, positions: torch.Tensor, dtype: torch.dtype):
+    """cos, sin [..., head_dim] for integer positions [...] (computed in f32, like HF)."""
+    freqs = positions.to(torch.float32)[..., None] * inv_freq
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [..., T, heads, hd]; cos/sin [..., T, hd].
+    Rotate-half form: (x1, x2) -> (x1 c - x2 s, x2 c + x1 s)."""
+    x1, x2 = x.chunk(2, dim=-1)
+    rotated = torch.cat((-x2, x1), dim=-1)
+    return x * cos[..., None, :] + rotated * sin[..., None, :]
+
+
+@dataclass
+class AttnMeta:
+    """Per-forward description of a ragged batch, shared by all layers (built once)."""
+
+    tok_slot: torch.Tensor  # [N] cache slot of each token
+    positions: torch.Tensor  # [N] absolute position of each token (= its cache row)
+    seq_idx: torch.Tensor  # [N] request of each token
+    cu_seqlens: torch.Tensor  # [R+1]
+    slots: torch.Tensor  # [R]
+    max_new: int  # longest request in new tokens (T_max)
+    kv_len: int  # keys to read per slot: max position + 1
+    slot_start: int | None  # slots == slot_start + arange(R): read the cache as a view
+    pad_index: torch.Tensor | None  # [N] row of each token in the [R*T_max] padded layout (None: T_max == 1)
+    # [R, 1, G*T_max, kv_len] bool, True = attend (key position <= query position); None when
+    # nothing needs masking, and on the CUDA kernel path (the kernel applies the same rule)
+    mask: torch.Tensor | None
+
+
+def build_attn_meta(seq_idx, positions, cu_seqlens, slots, n_groups: int) -> AttnMeta:
+    r = slots.numel()
+    lens = cu_seqlens[1:] - cu_seqlens[:-1]
+    max_new = int(lens.max())
+    kv_len = int(positions.max()) + 1
+    slot_list = slots.tolist()
+    contiguous = slot_list == list(range(slot_list[0], slot_list[0] + r))
+    if positions.is_cuda and _load_varlen_kernel() is not None:
+        return AttnMeta(slots[seq_idx], positions, seq_idx, cu_seqlens, slots, max_new, kv_len,
+                        None, None, None)
+    keys = torch.arange(kv_len, device=positions.device)
+    if max_new == 1 and int(positions.min()) == kv_len - 1:
+        # one new token per request, all at the same position: every key is visible, no mask
+        return AttnMeta(slots[seq_idx], positions, seq_idx, cu_seqlens, slots, max_new, kv_len,
+                        slot_list[0] if contiguous else None, None, None)
+    if max_new == 1:
+        pad_index, q_pos = None, positions.view(r, 1)
+    else:
+        local = torch.arange(positions.numel(), device=positions.device) - cu_seqlens[seq_idx]
+        pad_index = seq_idx * max_new + local
+        # padded query rows see every key (never an all-masked row); their output is dropped
+        q_pos = torch.full((r * max_new,), kv_len - 1, dtype=positions.dtype, device=positions.device)
+        q_pos[pad_index] = positions
+        q_pos = q_pos.view(r, max_new)
+    # query rows are ordered (group g, new token t) inside each kv head, see `_attend_torch`
+    mask = (keys <= q_pos[:, :, None])[:, None].expand(r, n_groups, max_new, kv_len)
+    mask = mask.reshape(r, 1, n_groups * max_new, kv_len)
+    return AttnMeta(slots[seq_idx], positions, seq_idx, cu_seqlens, slots, max_new, kv_len,
+                    slot_list[0] if contiguous else None, pad_index, mask)
+
+
+def _attend_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, m: AttnMeta,
+                  scale: float) -> torch.Tensor:
+    """q [N, H, hd] against each request's slot (keys 0..its position): -> [N, H, hd].
+    GQA without copying K/V: the G query heads sharing a kv head become G*T_max query rows."""
+    n, h, hd = q.shape
+    r, n_kv = m.slots.numel(), k_cache.shape[1]
+    g = h // n_kv
+    if m.slot_start is not None:
+        k = k_cache[m.slot_start:m.slot_start + r, :, :m.kv_len]
+        v = v_cache[m.slot_start:m.slot_start + r, :, :m.kv_len]
+    else:
+        k = k_cache[m.slots, :, :m.kv_len]
+        v = v_cache[m.slots, :, :m.kv_len]
+    t = m.max_new
+    if m.pad_index is None:
+        qp = q.view(r, n_kv, g, hd)
+    else:
+        qp = q.new_zeros(r * t, h, hd)
+        qp[m.pad_index] = q
+        qp = qp.view(r, t, n_kv, g, hd).permute(0, 2, 3, 1, 4).reshape(r, n_kv, g * t, hd)
+    out = F.scaled_dot_product_attention(qp, k, v, attn_mask=m.mask, scale=scale)
+    if m.pad_index is None:
+        return out.reshape(n, h, hd)
+    out = out.view(r, n_kv, g, t, hd).permute(0, 3, 1, 2, 4).reshape(r * t, h, hd)
+    return out[m.pad_index]
+
+
+@functools.cache
+def _load_varlen_kernel():
+    try:
+        from dspark_kernels import varlen_attention  # written against the KVCache layout
+    except ImportError:
+        return None
+    return getattr(varlen_attention, "varlen_attention", varlen_attention)
+
+
+def attention_backend(q, k_cache, v_cache, meta: AttnMeta, scale: float) -> torch.Tensor:
+    """Dispatch: the Triton varlen kernel on CUDA when it is installed, torch SDPA otherwise.
+    Kernel contract: varlen_attention(q [N,H,hd] contiguous, k_cache, v_cache [C,Hkv,S,hd],
+    tok_slot [N], positions [N], cu_seqlens [R+1], slots [R], scale, max_new) -> [N,H,hd];
+    token i attends to rows 0..positions[i] of slot tok_slot[i]."""
+    if q.is_cuda:
+        kernel = _load_varlen_kernel()
+        if kernel is not None:
+            return kernel(q.contiguous(), k_cache, v_cache, meta.tok_slot, meta.positions, meta.cu_seqlens,
+                          meta.slots, scale, meta.max_new)
+    return _attend_torch(q, k_cache, v_cache, meta, scale)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        d, hd = cfg.hidden_size, cfg.head_dim
+        self.n_heads, self.n_kv, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, hd
+        self.q_proj = nn.Linear(d, self.n_heads * hd, bias=cfg.qkv_bias)
+        self.k_proj = nn.Linear(d, self.n_kv * hd, bias=cfg.qkv_bias)
+        self.v_proj = nn.Linear(d, self.n_kv * hd, bias=cfg.qkv_bias)
+        self.o_proj = nn.Linear(self.n_heads * hd, d, bias=cfg.o_bias)
+        self.q_norm = RMSNorm(hd, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(hd, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.scale = hd ** -0.5
+        self.eps = cfg.rms_norm_eps
+        self.qkv_weight = self.qkv_bias = self.qk_norm_weight = None  # set by fuse_qkv()
+
+    @torch.no_grad()
+    def fuse_qkv(self) -> None:
+        """Serving: one matmul for q/k/v, one norm + RoPE for q and k together. The q/k/v
+        weights become row views of the fused matrix (no extra memory; forward_train and
+        state_dict still work). Call after the weights are final and on their device."""
+        sizes = [self.n_heads * self.head_dim, self.n_kv * self.head_dim, self.n_kv * self.head_dim]
+        projs = (self.q_proj, self.k_proj, self.v_proj)
+        self.qkv_weight = torch.cat([p.weight for p in projs])
+        for p, w in zip(projs, self.qkv_weight.split(sizes)):
+            p.weight = nn.Parameter(w, requires_grad=False)
+        if self.q_proj.bias is not None:
+            self.qkv_bias = torch.cat([p.bias for p in projs])
+            for p, b in zip(projs, self.qkv_bias.split(sizes)):
+                p.bias = nn.Parameter(b, requires_grad=False)
+        if self.q_norm is not None:
+            hd = self.head_dim
+            self.qk_norm_weight = torch.cat([self.q_norm.weight.expand(self.n_heads, hd),
+                                             self.k_norm.weight.expand(self.n_kv, hd)])
+
+    def qkv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        """x [..., T, D] -> q [..., T, H, hd], k and v [..., T, Hkv, hd] (q/k normed and rotated)."""
+        lead = x.shape[:-1]
+        if self.qkv_weight is not None:
+            h, n_kv, hd = self.n_heads, self.n_kv, self.head_dim
+            qkv = F.linear(x, self.qkv_weight, self.qkv_bias).view(*lead, h + 2 * n_kv, hd)
+            qk, v = qkv[..., :h + n_kv, :], qkv[..., h + n_kv:, :]
+            if self.qk_norm_weight is not None:
+                qk = F.rms_norm(qk, (hd,), eps=self.eps) * self.qk_norm_weight
+            qk = apply_rope(qk, cos, sin)
+            return qk[..., :h, :], qk[..., h:, :], v
+        q = self.q_proj(x).view(*lead, self.n_heads, self.head_dim)
+        k = self.k_proj(x).view(*lead, self.n_kv, self.head_dim)
+        v = self.v_proj(x).view(*lead, self.n_kv, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+
+    def forward_train(self, x, cos, sin):
+        b, t, _ = x.shape
+        q, k, v = (z.transpose(1, 2) for z in self.qkv(x, cos, sin))
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale,
+                                             enable_gqa=self.n_heads != self.n_kv)
+        return self.o_proj(out.transpose(1, 2).reshape(b, t, -1))
+
+    def forward_ragged(self, x, cos, sin, k_cache, v_cache, meta: AttnMeta):
+        q, k, v = self.qkv(x, cos, sin)
+        k_cache[meta.tok_slot, :, meta.positions] = k  # write this step's keys before reading
+        v_cache[meta.tok_slot, :, meta.positions] = v
+        out = attention_backend(q, k_cache, v_cache, meta, self.scale)
+        return self.o_proj(out.reshape(x.shape[0], -1))
+
+
+class MLP(nn.Module):
+    """SwiGLU: down(silu(gate x) * up x)."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        d, f = cfg.hidden_size, cfg.intermediate_size
+        self.gate_proj = nn.Linear(d, f, bias=cfg.mlp_bias)
+        self.up_proj = nn.Linear(d, f, bias=cfg.mlp_bias)
+        self.down_proj = nn.Linear(f, d, bias=cfg.mlp_bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MLP(cfg)
+
+
+class Transformer(nn.Module):
+    """Parameter names mirror HF's (minus the `model.` prefix) so loading is a rename."""
+
+    def __init__(self, cfg: ModelConfig, tap_layers: list[int] | None = None, num_taps: int = 3) -> None:
+        super().__init__()
+        self.config = cfg
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head_proj = (None if cfg.tie_word_embeddings
+                             else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False))
+        self.tap_layers = list(tap_layers) if tap_layers is not None else default_tap_layers(
+            cfg.num_hidden_layers, num_taps)
+        if any(not 0 <= i < cfg.num_hidden_layers for i in self.tap_layers):
+            raise ValueError(f"tap_layers {self.tap_layers} outside [0, {cfg.num_hidden_layers})")
+        self.register_buffer("inv_freq", rope_inv_freq(cfg), persistent=False)
+        self.lm_head_t: torch.Tensor | None = None  # set by fuse_for_inference() on CPU
+        self.apply(self._init_weights)
+
+    @staticmethod
+    def _init_weights(m: nn.Module) -> None:
+        if isinstance(m, nn.Linear):
+            nn.init.normal_(m.weight, std=0.02)
+            if m.bias is not None:
+                nn.init.zeros_(m.bias)
+        elif isinstance(m, nn.Embedding):
+            nn.init.normal_(m.weight, std=0.02)
+
+    def _apply(self, fn, recurse=True):
+        super()._apply(fn, recurse)
+        # RoPE frequencies stay f32 whatever dtype the weights are cast to
+        self.inv_freq = rope_inv_freq(self.config).to(self.inv_freq.device)
+        return self
+
+    def fuse_for_inference(self) -> Transformer:
+        """Serving layout (call once the weights are final and on their device): fused q/k/v,
+        and on CPU a transposed copy of the LM head for few-row products (see `lm_head`)."""
+        for layer in self.layers:
+            layer.self_attn.fuse_qkv()
+        w = self.embed_tokens.weight if self.lm_head_proj is None else self.lm_head_proj.weight
+        self.lm_head_t = w.detach().t().contiguous() if w.device.type == "cpu" else None
+        return self
+
+    @property
+    def tap_dim(self) -> int:
+        return len(self.tap_layers) * self.config.hidden_size
+
+    def embed(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.embed_tokens(tokens)
+
+    def lm_head(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Logits from final-normed hidden states (tied: the embedding matrix)."""
+        w = self.embed_tokens.weight if self.lm_head_proj is None else self.lm_head_proj.weight
+        if self.lm_head_t is None:
+            return F.linear(hidden, w)
+        # CPU BLAS on a [V, d] matrix far larger than the cache (measured, MKL on this machine):
+        # x @ W^T(contiguous) is ~5x faster than F.linear for 1-3 rows, W @ x^T ~1.4x for more.
+        x = hidden.reshape(-1, hidden.shape[-1])
+        out = x @ self.lm_head_t if x.shape[0] <= 3 else (w @ x.t()).t().contiguous()
+        return out.view(*hidden.shape[:-1], w.shape[0])
+
+    def forward_hidden(self, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Plain causal pass over tokens [B, T] -> (final-normed hidden [B,T,D], taps [B,T,n_taps*D])."""
+        x = self.embed(tokens)
+        cos, sin = rope_cos_sin(self.inv_freq, torch.arange(tokens.shape[1], device=tokens.device), x.dtype)
+        taps = [None] * len(self.tap_layers)
+        for i, layer in enumerate(self.layers):
+            x = x + layer.self_attn.forward_train(layer.input_layernorm(x), cos, sin)
+            x = x + layer.mlp(layer.post_attention_layernorm(x))
+            for j, t in enumerate(self.tap_layers):
+                if t == i:
+                    taps[j] = x
+        return self.norm(x), torch.cat(taps, dim=-1)
+
+    def forward_train(self, tokens: torch.Tensor) -> torch.Tensor:
+        """tokens [B, T] -> logits [B, T, V] (causal; supports autograd)."""
+        return self.lm_head(self.forward_hidden(tokens)[0])
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.forward_train(tokens)
+
+    def forward_ragged(self, tokens: torch.Tensor, meta: AttnMeta, k_caches: list[torch.Tensor],
+                       v_caches: list[torch.Tensor], logits_rows: torch.Tensor | None = None,
+                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Cached forward of a flattened ragged batch tokens [N] (writes K/V at `meta` positions).
+        -> (logits [N or len(logits_rows), V], taps [N, n_taps*D], final-normed hidden [N, D])."""
+        x = self.embed(tokens)
+        cos, sin = rope_cos_sin(self.inv_freq, meta.positions, x.dtype)
+        taps = [None] * len(self.tap_layers)
+        for i, layer in enumerate(self.layers):
+            attn = layer.self_attn
+            x = x + attn.forward_ragged(layer.input_layernorm(x), cos, sin, k_caches[i], v_caches[i], meta)
+            x = x + layer.mlp(layer.post_attention_layernorm(x))
+            for j, t in enumerate(self.tap_layers):
+                if t == i:
+                    taps[j] = x
+        hidden = self.norm(x)
+        logits = self.lm_head(hidden if logits_rows is None else hidden[logits_rows])
+        return logits, torch.cat(taps, dim=-1), hidden

@@ -1,0 +1,198 @@
+"""Ragged verify (DESIGN §4): a flattened batch of requests with different prefix and
+new-token lengths equals running each request alone; rollback leaves exactly the cache of
+the accepted tokens; plain generate streams, seeds, waves and releases its slots."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dspark.batch import RaggedBatch
+from dspark.sampling import SamplingParams
+from dspark.target import TargetEngine
+
+GAMMA = 7
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_ckpt) -> TargetEngine:
+    return TargetEngine.from_pretrained(tiny_ckpt, capacity=6, max_seq_len=64)
+
+
+def _seq(n: int, seed: int) -> list[int]:
+    return torch.randint(3, 300, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def _alone(engine: TargetEngine, prefix: list[int], new: list[int]):
+    """Reference: the request by itself in a fresh slot."""
+    slot = engine.allocate()
+    try:
+        engine.prefill([slot], [prefix])
+        return engine.verify(RaggedBatch.from_requests([slot], [new], [len(prefix)]))
+    finally:
+        engine.release(slot)
+
+
+def _free_all(engine: TargetEngine) -> None:
+    for s in range(engine.cache.capacity):
+        if engine.cache.in_use[s]:
+            engine.release(s)
+
+
+@pytest.mark.parametrize("slot_order", ["contiguous", "scattered"])
+def test_ragged_verify_equals_each_request_alone(engine, slot_order):
+    prefix_lens, new_lens = [5, 12, 1, 30], [1, 3, GAMMA + 1, 2]
+    prefixes = [_seq(n, seed=i) for i, n in enumerate(prefix_lens)]
+    news = [_seq(n, seed=100 + i) for i, n in enumerate(new_lens)]
+    refs = [_alone(engine, p, n) for p, n in zip(prefixes, news)]
+    slots = [engine.allocate() for _ in range(engine.cache.capacity)]
+    if slot_order == "scattered":
+        slots = [slots[4], slots[0], slots[5], slots[2]]  # non-contiguous: the gather path
+    else:
+        slots = slots[1:5]
+    for s in set(range(engine.cache.capacity)) - set(slots):
+        engine.release(s)
+    try:
+        last, taps = engine.prefill(slots, prefixes)
+        assert [t.shape[0] for t in taps] == prefix_lens
+        logits, vtaps = engine.verify(RaggedBatch.from_requests(slots, news, prefix_lens))
+        assert logits.shape == (sum(new_lens), engine.vocab_size) and vtaps.shape[1] == engine.tap_dim
+        for r, (ref_logits, ref_taps) in enumerate(refs):
+            lo, hi = sum(new_lens[:r]), sum(new_lens[:r + 1])
+            assert (logits[lo:hi] - ref_logits).abs().max() <= 1e-5, f"request {r}"
+            assert (vtaps[lo:hi] - ref_taps).abs().max() <= 1e-5, f"request {r}"
+            assert engine.length(slots[r]) == prefix_lens[r] + new_lens[r]
+    finally:
+        _free_all(engine)
+
+
+def test_prefill_matches_forward_train(engine):
+    prompt = _seq(19, seed=7)
+    slot = engine.allocate()
+    try:
+        last, taps = engine.prefill([slot], [prompt])
+    finally:
+        engine.release(slot)
+    with torch.no_grad():
+        hidden, ref_taps = engine.model.forward_hidden(torch.tensor([prompt]))
+        ref_logits = engine.model.lm_head(hidden)
+    assert (last[0] - ref_logits[0, -1]).abs().max() <= 1e-5
+    assert (taps[0] - ref_taps[0]).abs().max() <= 1e-5
+
+
+def test_rollback_equals_cache_of_accepted_tokens(engine):
+    prefix, draft, accepted = _seq(10, seed=1), _seq(GAMMA + 1, seed=2), 3
+    a, b = engine.allocate(), engine.allocate()
+    try:
+        engine.prefill([a], [prefix])
+        engine.verify(RaggedBatch.from_requests([a], [draft], [len(prefix)]))
+        engine.rollback(a, len(prefix) + accepted)
+        engine.prefill([b], [prefix + draft[:accepted]])
+        keep = len(prefix) + accepted
+        assert engine.length(a) == engine.length(b) == keep
+        for k in engine.cache.k + engine.cache.v:
+            assert (k[a, :, :keep] - k[b, :, :keep]).abs().max() <= 1e-5
+        nxt = _seq(2, seed=3)  # continuing after the rollback overwrites the stale rows
+        la, _ = engine.verify(RaggedBatch.from_requests([a, b], [nxt, nxt], [keep, keep]))
+        assert (la[:2] - la[2:]).abs().max() <= 1e-5
+    finally:
+        engine.release(a)
+        engine.release(b)
+
+
+def test_generate_streams_and_releases(engine):
+    prompts = [_seq(4, seed=s) for s in range(8)]  # more prompts than slots: two waves
+    streamed: dict[int, list[int]] = {}
+    out = engine.generate(prompts, 6, SamplingParams(), stop_token_ids=[],
+                          on_tokens=lambda i, toks: streamed.setdefault(i, []).extend(toks))
+    assert all(len(o) == 6 for o in out)
+    assert streamed == dict(enumerate(out))
+    assert engine.num_free_slots() == engine.cache.capacity
+
+
+def test_generate_seeded_sampling_is_reproducible(engine):
+    prompts = [_seq(5, seed=s) for s in range(3)]
+    params = [SamplingParams(temperature=1.0, top_k=20, top_p=0.9, seed=s) for s in range(3)]
+    first = engine.generate(prompts, 6, params, stop_token_ids=[])
+    assert first == engine.generate(prompts, 6, params, stop_token_ids=[])
+    mixed = engine.generate(prompts, 6, [SamplingParams()] + params[1:], stop_token_ids=[])
+    assert mixed[1:] == first[1:]  # a request's tokens depend on its own generator only
+    assert mixed[0] == engine.generate(prompts[:1], 6, SamplingParams(), stop_token_ids=[])[0]
+
+
+def test_generate_stops_at_stop_token_and_at_full_slot(engine):
+    prompt = _seq(6, seed=4)
+    free_run = engine.generate([prompt], 12, SamplingParams(), stop_token_ids=[])[0]
+    stop_tok = free_run[4]
+    stopped = engine.generate([prompt], 12, SamplingParams(), stop_token_ids=[stop_tok])[0]
+    assert stopped == free_run[:free_run.index(stop_tok) + 1]
+    long_prompt = _seq(60, seed=5)  # max_seq_len 64: 4 more cached tokens, so 5 generated
+    assert len(engine.generate([long_prompt], 50, SamplingParams(), stop_token_ids=[])[0]) == 5
+
+
+def test_generate_releases_slots_on_exception(engine):
+    def boom(i, toks):
+        raise KeyboardInterrupt("client went away")
+
+    with pytest.raises(KeyboardInterrupt):
+        engine.generate([_seq(3, seed=0)] * 2, 5, SamplingParams(), on_tokens=boom)
+    assert engine.num_free_slots() == engine.cache.capacity
+
+
+def test_prefill_groups_bound_padding_and_match(engine, monkeypatch):
+    from dspark import target as target_mod
+
+    assert target_mod._prefill_groups([3, 3, 9, 2, 2], budget=12) == [[0, 1], [2], [3, 4]]
+    prompts = [_seq(n, seed=20 + n) for n in (3, 11, 4, 6)]
+    slots = [engine.allocate() for _ in prompts]
+    try:
+        ref_logits, ref_taps = engine.prefill(slots, prompts)
+        for s in slots:
+            engine.rollback(s, 0)
+        monkeypatch.setattr(target_mod, "PREFILL_PADDED_TOKENS", 12)  # -> groups [0], [1], [2, 3]
+        logits, taps = engine.prefill(slots, prompts)
+    finally:
+        _free_all(engine)
+    assert (logits - ref_logits).abs().max() <= 1e-5
+    assert all((a - b).abs().max() <= 1e-5 for a, b in zip(taps, ref_taps))
+
+
+@pytest.mark.parametrize("prefix_lens", [[9, 9, 9], [4, 17, 9]], ids=["equal-lengths-no-mask", "ragged-mask"])
+def test_decode_step_equals_each_request_alone(engine, prefix_lens):
+    """One new token per request: the unpadded layouts (with and without a mask)."""
+    prefixes = [_seq(n, seed=30 + i) for i, n in enumerate(prefix_lens)]
+    news = [[int(t)] for t in _seq(len(prefix_lens), seed=40)]
+    refs = [_alone(engine, p, n) for p, n in zip(prefixes, news)]
+    slots = [engine.allocate() for _ in prefixes]
+    try:
+        engine.prefill(slots, prefixes)
+        logits, taps = engine.verify(RaggedBatch.from_requests(slots, news, prefix_lens))
+    finally:
+        _free_all(engine)
+    for r, (ref_logits, ref_taps) in enumerate(refs):
+        assert (logits[r] - ref_logits[0]).abs().max() <= 1e-5
+        assert (taps[r] - ref_taps[0]).abs().max() <= 1e-5
+
+
+def test_torch_attention_matches_the_kernel_contract():
+    """The CPU path and dspark_kernels.varlen_attention (torch reference on CPU, Triton on
+    CUDA) compute the same thing from the same arguments, so the CUDA dispatch is a drop-in."""
+    varlen = pytest.importorskip("dspark_kernels.varlen_attention").varlen_attention
+    from dspark.model import _attend_torch, build_attn_meta
+
+    g = torch.Generator().manual_seed(0)
+    n_heads, n_kv, hd, cap, max_len = 6, 2, 16, 5, 40
+    k_cache, v_cache = (torch.randn(cap, n_kv, max_len, hd, generator=g) for _ in range(2))
+    batch = RaggedBatch.from_requests([3, 0, 4], [[1] * 4, [1], [1] * 3], [7, 20, 0])
+    q = torch.randn(batch.num_tokens, n_heads, hd, generator=g)
+    meta = build_attn_meta(batch.seq_idx, batch.positions, batch.cu_seqlens, batch.slots, n_heads // n_kv)
+    ours = _attend_torch(q, k_cache, v_cache, meta, hd ** -0.5)
+    ref = varlen(q, k_cache, v_cache, meta.tok_slot, meta.positions, meta.cu_seqlens, meta.slots, hd ** -0.5,
+                 meta.max_new)
+    assert (ours - ref).abs().max() <= 1e-5
+
+
+def test_verify_of_no_requests_is_empty(engine):
+    empty = torch.zeros(0, dtype=torch.int64)
+    logits, taps = engine.verify(RaggedBatch(empty, empty, empty, torch.zeros(1, dtype=torch.int64), empty))
+    assert logits.shape == (0, engine.vocab_size) and taps.shape == (0, engine.tap_dim)
