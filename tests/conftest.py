@@ -3,11 +3,16 @@ Qwen3 checkpoint in Hugging Face format (see tests/tiny.py)."""
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
-import pytest
-import torch
+# No GPU in CI: Triton kernels run under the interpreter. This must be set before anything
+# imports triton, so it lives here rather than in the kernel tests (set it to 0 on a GPU).
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).parent))
 # One intra-op thread: on a small shared machine, OpenMP threads contending for cores make
