@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import queue
 import re
 import shutil
 import time
@@ -16,11 +17,13 @@ import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import numpy as np
 import pytest
+import tritonclient.grpc as grpcclient
 
 from dspark.paths import MODEL_REPOSITORY, REPO_ROOT
 from dspark.target import TargetEngine
-from dspark.text import decode, encode
+from dspark.text import decode, encode, load_tokenizer
 from dspark.triton_server import TritonServer, prepare_backend_dir
 
 pytestmark = pytest.mark.integration
@@ -154,6 +157,30 @@ def test_stop_string_frees_its_slot(served):
         burst = [pool.submit(lambda: "".join(client.generate_grpc(server.grpc_url, PROMPT, MAX_TOKENS)))
                  for _ in range(CAPACITY)]
         assert [f.result(timeout=60) for f in burst] == [text] * CAPACITY
+
+
+def test_client_cancel_stops_decoding(served, tiny_ckpt):
+    """Called directly (2.51 does not pass a cancel through the ensemble), `dspark` notices
+    a cancelled stream within CANCEL_CHECK_TOKENS and ends the request in the engine."""
+    server, _ = served
+    before = wait_idle(server)
+    ids = np.array(encode(load_tokenizer(tiny_ckpt), PROMPT), dtype=np.int32)
+    values = {"input_ids": ids, "max_tokens": np.array([LONG_TOKENS], dtype=np.int32),
+              "stream": np.array([True])}
+    inputs = []
+    for name, value in values.items():
+        inputs.append(grpcclient.InferInput(name, list(value.shape), "BOOL" if name == "stream" else "INT32"))
+        inputs[-1].set_data_from_numpy(value)
+    responses: queue.Queue = queue.Queue()
+    triton = grpcclient.InferenceServerClient(server.grpc_url)
+    triton.start_stream(callback=lambda result, error: responses.put((result, error)))
+    triton.async_stream_infer("dspark", inputs)
+    first = [responses.get(timeout=30) for _ in range(2)]
+    assert all(error is None for _, error in first)
+    triton.stop_stream(cancel_requests=True)
+    triton.close()
+    after = wait_idle(server)
+    assert after["dspark_emitted_tokens_total"] - before["dspark_emitted_tokens_total"] < LONG_TOKENS // 2
 
 
 def test_concurrent_requests_each_get_their_own_text(served):
