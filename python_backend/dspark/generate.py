@@ -1,5 +1,6 @@
 """`dspark generate`: stream a continuation of --prompt from a checkpoint (default: the
-shipped demo target) with plain decoding; prints tokens/s on stderr when done."""
+shipped demo target) through the speculative engine loop; prints τ and tokens/s on stderr.
+With --drafter none it is plain decoding through the same loop."""
 
 from __future__ import annotations
 
@@ -11,28 +12,11 @@ from pathlib import Path
 import torch
 
 from dspark import paths
-from dspark.loader import load_model, load_tokenizer
+from dspark.engine import SpecEngine
 from dspark.sampling import SamplingParams
+from dspark.sps import SPSTable
 from dspark.target import TargetEngine
-
-
-class IncrementalDetokenizer:
-    """Turns a growing token list into text deltas without splitting a multi-byte
-    character: text is only released once it no longer ends in a replacement char."""
-
-    def __init__(self, tokenizer) -> None:
-        self.tokenizer = tokenizer
-        self.ids: list[int] = []
-        self.emitted = ""
-
-    def push(self, new_ids: list[int]) -> str:
-        self.ids.extend(new_ids)
-        text = self.tokenizer.decode(self.ids, skip_special_tokens=True)
-        if text.endswith("\ufffd"):
-            return ""  # wait for the rest of the character
-        delta = text[len(self.emitted):] if text.startswith(self.emitted) else text
-        self.emitted = text
-        return delta
+from dspark.text import IncrementalDetokenizer, encode
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -44,10 +28,27 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--top-k", type=int, default=0, help="0 = off")
     p.add_argument("--top-p", type=float, default=1.0, help="1 = off")
     p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--drafter", default="auto",
+                   help="none, ngram[:N], a name under build/demo/drafters, or a folder "
+                        "(auto: the shipped dspark-markov drafter if present, else none)")
+    p.add_argument("--policy", default="dspark", help="scheduler policy (none, fixed:k, mtp1, threshold:t, "
+                                                      "dspark-theory, dspark)")
+    p.add_argument("--gamma", type=int, default=7, help="draft block size γ")
+    p.add_argument("--sps", default=None,
+                   help="SPS table json or gpu_shaped (default: results/sps_cpu.json, else gpu_shaped)")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
 
 
+def _sps(spec: str | None) -> SPSTable:
+    if spec == "gpu_shaped":
+        return SPSTable.gpu_shaped()
+    path = Path(spec) if spec else paths.RESULTS / "sps_cpu.json"
+    return SPSTable.load(path) if path.is_file() else SPSTable.gpu_shaped()
+
+
 def main(args: argparse.Namespace) -> int:
+    from dspark.calibrate import build_drafter, pad_temperatures, read_temperatures
+
     folder = Path(args.model)
     if not (folder / "config.json").is_file():
         print(f"error: no model at {folder}. Build the demo model first with `make demo-assets` "
@@ -56,27 +57,43 @@ def main(args: argparse.Namespace) -> int:
         return 2
     if args.threads:
         torch.set_num_threads(args.threads)
-    params = SamplingParams(args.temperature, args.top_k, args.top_p, args.seed)
-    tokenizer = load_tokenizer(folder)
-    if tokenizer is None:
+    try:
+        params = SamplingParams(args.temperature, args.top_k, args.top_p, args.seed)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    target = TargetEngine.from_pretrained(folder, capacity=1, max_seq_len=4096)
+    if target.tokenizer is None:
         print(f"error: {folder} has no tokenizer.json", file=sys.stderr)
         return 2
-    prompt = tokenizer.encode(args.prompt).ids
+    prompt = encode(target.tokenizer, args.prompt)
     if not prompt:
-        print("error: empty prompt", file=sys.stderr)
+        print("error: --prompt is empty", file=sys.stderr)
         return 2
-    model, cfg = load_model(folder)
-    engine = TargetEngine(model, cfg, tokenizer, capacity=1, max_seq_len=len(prompt) + args.max_tokens)
-    detok = IncrementalDetokenizer(engine.tokenizer)
+    spec = args.drafter
+    if spec == "auto":
+        shipped = (paths.DEMO_DRAFTERS / "dspark-markov" / "config.json").is_file()
+        spec = "dspark-markov" if shipped else "none"
+    drafter, temps = None, None
+    if spec != "none":
+        drafter, drafter_dir = build_drafter(spec, target, args.gamma)
+        temps = pad_temperatures(read_temperatures(drafter_dir), drafter.gamma)
+    engine = SpecEngine(target, drafter, args.policy if drafter else "none", sts_temperatures=temps,
+                        sps=_sps(args.sps))
+    detok = IncrementalDetokenizer(target.tokenizer, prompt_ids=prompt)
 
-    def stream(_: int, ids: list[int]) -> None:
-        sys.stdout.write(detok.push(ids))
+    def stream(_rid: str, ids: list[int], finished: bool, _reason: str | None) -> None:
+        sys.stdout.write(detok.push(ids) + (detok.finish() if finished else ""))
         sys.stdout.flush()
 
     t0 = time.perf_counter()
-    out = engine.generate([prompt], args.max_tokens, params, on_tokens=stream)[0]
+    req = engine.add_request(prompt, args.max_tokens, params, stop_token_ids=target.eos_token_ids,
+                             on_tokens=stream)
+    engine.run_until_done()
     dt = time.perf_counter() - t0
     sys.stdout.write("\n")
-    print(f"[{len(out)} tokens in {dt:.2f} s: {len(out) / dt:.1f} tokens/s, prompt {len(prompt)} tokens]",
-          file=sys.stderr)
+    n = len(req.output)
+    policy = engine.policy.name if engine.policy is not None else "none"
+    print(f"[{n} tokens in {dt:.2f} s: {n / dt:.1f} tokens/s, τ={req.tau:.2f}, drafter {spec}, "
+          f"policy {policy}, prompt {len(prompt)} tokens]", file=sys.stderr)
     return 0

@@ -25,6 +25,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-seq-len", type=int, help="tokens per slot (default: config.pbtxt)")
     p.add_argument("--device", help="cpu, cuda, cuda:N or auto (default: config.pbtxt)")
     p.add_argument("--num-threads", type=int, help="torch CPU threads in the decode model")
+    p.add_argument("--drafter", help="none, ngram[:N], a name under build/demo/drafters or a folder "
+                                     "(default: config.pbtxt)")
+    p.add_argument("--policy", help="scheduler policy, e.g. dspark, mtp1, fixed:3 (default: config.pbtxt)")
+    p.add_argument("--gamma", type=int, help="draft block size γ (default: config.pbtxt)")
+    p.add_argument("--sps", help="SPS table: a sps.json path or gpu_shaped (default: config.pbtxt)")
     p.add_argument("--ready-timeout", type=float, default=600.0, help="seconds to wait for readiness")
 
 
@@ -32,7 +37,9 @@ def model_env(args: argparse.Namespace) -> dict[str, str]:
     """The DSPARK_* overrides every model.py reads (see model_repository/dspark/config.pbtxt)."""
     env = {"DSPARK_TARGET": str(Path(args.model).resolve())}
     for name, value in (("DSPARK_CAPACITY", args.capacity), ("DSPARK_MAX_SEQ_LEN", args.max_seq_len),
-                        ("DSPARK_DEVICE", args.device), ("DSPARK_NUM_THREADS", args.num_threads)):
+                        ("DSPARK_DEVICE", args.device), ("DSPARK_NUM_THREADS", args.num_threads),
+                        ("DSPARK_DRAFTER", args.drafter), ("DSPARK_POLICY", args.policy),
+                        ("DSPARK_GAMMA", args.gamma), ("DSPARK_SPS", args.sps)):
         if value is not None:
             env[name] = str(value)
     return env
