@@ -155,6 +155,19 @@ def test_generate_cli_streams_text(tiny_ckpt, capsys):
     assert "make demo-assets" in capsys.readouterr().err
 
 
+def test_generate_cli_speculative_equals_plain_greedy(tiny_ckpt, capsys):
+    from dspark.cli import main
+
+    texts = []
+    for drafter in ("none", "ngram"):
+        assert main(["generate", "--model", str(tiny_ckpt), "--prompt", "def add(a, b):", "--max-tokens",
+                     "24", "--drafter", drafter, "--policy", "dspark", "--sps", "gpu_shaped"]) == 0
+        out = capsys.readouterr()
+        assert f"drafter {drafter}" in out.err
+        texts.append(out.out)
+    assert texts[0] == texts[1] and texts[0].strip()
+
+
 def test_incremental_detokenizer_never_splits_characters(tiny_tokenizer_path):
     from tokenizers import Tokenizer
 

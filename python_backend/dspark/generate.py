@@ -30,7 +30,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--drafter", default="auto",
                    help="none, ngram[:N], a name under build/demo/drafters, or a folder "
-                        "(auto: the shipped dspark-markov drafter if present, else none)")
+                        "(auto: the shipped dspark-markov drafter with the demo target, else none)")
     p.add_argument("--policy", default="dspark", help="scheduler policy (none, fixed:k, mtp1, threshold:t, "
                                                       "dspark-theory, dspark)")
     p.add_argument("--gamma", type=int, default=7, help="draft block size γ")
@@ -73,7 +73,8 @@ def main(args: argparse.Namespace) -> int:
     spec = args.drafter
     if spec == "auto":
         shipped = (paths.DEMO_DRAFTERS / "dspark-markov" / "config.json").is_file()
-        spec = "dspark-markov" if shipped else "none"
+        demo = folder.resolve() == paths.DEMO_TARGET.resolve()
+        spec = "dspark-markov" if shipped and demo else "none"
     drafter, temps = None, None
     if spec != "none":
         drafter, drafter_dir = build_drafter(spec, target, args.gamma)
