@@ -1,0 +1,440 @@
+"""`dspark train`: train a drafter on target-generated data (DESIGN §8).
+
+    dspark train --make-data                                  # sample continuations + target features
+    dspark train --kind dspark --head markov --name dspark-markov --steps 300
+    torchrun --nproc_per_node 2 -m dspark.cli train ...       # DDP (gloo on CPU, NCCL on GPU)
+
+One pipeline trains every drafter kind on the same data with the same budget (steps ×
+sequences per step): dspark (head markov | rnn | none = DFlash-style), eagle, draft_lm.
+Each step draws `--batch` sequences and, per sequence, `--anchors` random anchors a (valid
+if tokens a and a+1 are in the loss mask); block position k = 1..G predicts t_{a+k} and is
+supervised while t_{a+1..a+k} stay in the loss mask (the contiguous valid prefix). The
+sequential head is teacher-forced (x_{k−1} = t_{a+k−1}). The draft LM is supervised on every
+position whose next token is in the loss mask (k = 1). Per supervised row:
+    α_ce·CE(p_d, t) + α_tv·TV(p_d, p_t) + α_conf·BCE(σ(z), c*),   c* = 1 − ½‖p_d − p_t‖₁
+with p_d, p_t at T = 1, weighted w_k = exp(−(k−1)/λ) (λ = --decay-lambda: a number or "gamma").
+The target, its embedding and LM head are frozen; target taps / final hidden states come from
+the data folder (computed once), target logits = lm_head(hidden) per batch."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from tqdm import tqdm
+
+from dspark.paths import DEMO, DEMO_DRAFTERS, DEMO_TARGET, RESULTS
+
+DEFAULT_DATA = DEMO / "work" / "drafter_data"
+KINDS = ("dspark", "eagle", "draft_lm")
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--target", type=Path, default=DEMO_TARGET, help="target HF folder")
+    p.add_argument("--data", type=Path, default=DEFAULT_DATA, help="data folder (shards + features)")
+    g = p.add_argument_group("data generation (--make-data)")
+    g.add_argument("--make-data", action="store_true", help="generate the data folder and exit")
+    g.add_argument("--token-dir", type=Path, default=DEMO / "work" / "tokens",
+                   help="corpus token streams {domain}.train.bin")
+    g.add_argument("--n-per-domain", type=int, default=100)
+    g.add_argument("--max-new", type=int, default=128)
+    g.add_argument("--min-prompt", type=int, default=16)
+    g.add_argument("--max-prompt", type=int, default=64)
+    g.add_argument("--gen-batch", type=int, default=50)
+    m = p.add_argument_group("model")
+    m.add_argument("--kind", choices=KINDS, default="dspark")
+    m.add_argument("--head", choices=("markov", "rnn", "none"), default="markov")
+    m.add_argument("--name", default=None, help="drafter name (default from kind/head)")
+    m.add_argument("--layers", type=int, default=2, help="backbone layers (dspark) / draft LM layers")
+    m.add_argument("--intermediate", type=int, default=512, help="MLP width of drafter layers")
+    m.add_argument("--head-rank", type=int, default=64)
+    m.add_argument("--block-size", type=int, default=15, help="G: trained block / unrolled steps (max γ)")
+    m.add_argument("--gamma", type=int, default=7, help="default γ stored with the drafter")
+    m.add_argument("--save-dtype", choices=("float32", "float16"), default="float16")
+    t = p.add_argument_group("optimisation")
+    t.add_argument("--steps", type=int, default=300)
+    t.add_argument("--batch", type=int, default=8, help="sequences per step (global, split over ranks)")
+    t.add_argument("--anchors", type=int, default=12, help="random anchors per sequence")
+    t.add_argument("--lr", type=float, default=2e-3)
+    t.add_argument("--warmup", type=int, default=20)
+    t.add_argument("--weight-decay", type=float, default=0.01)
+    t.add_argument("--decay-lambda", default="4", help='position decay λ: a number or "gamma" (= block size)')
+    t.add_argument("--alpha-ce", type=float, default=0.1)
+    t.add_argument("--alpha-tv", type=float, default=0.9)
+    t.add_argument("--alpha-conf", type=float, default=1.0)
+    t.add_argument("--seed", type=int, default=0)
+    t.add_argument("--threads", type=int, default=2)
+    t.add_argument("--out", type=Path, default=None, help="drafter folder (build/demo/drafters/NAME)")
+    t.add_argument("--work", type=Path, default=None, help="checkpoints (build/demo/work/train/NAME)")
+    t.add_argument("--ckpt-every", type=int, default=50)
+    t.add_argument("--fresh", action="store_true", help="ignore an existing checkpoint")
+    t.add_argument("--stop-after", type=int, default=None,
+                   help="checkpoint and stop after this many steps of this run (resume later)")
+    t.add_argument("--results", type=Path, default=RESULTS)
+    t.add_argument("--no-export", action="store_true", help="skip writing the drafter folder")
+
+
+def default_name(kind: str, head: str) -> str:
+    return {"dspark": f"dspark-{head}" if head != "none" else "dflash", "eagle": "eagle",
+            "draft_lm": "draft-lm"}[kind]
+
+
+# ---------------------------------------------------------------- models
+
+
+def build_model(args, target_model, target_cfg, tap_layers: list[int]) -> nn.Module:
+    """A fresh drafter of `args.kind` sized from the target; shared weights attached."""
+    d = target_cfg.hidden_size
+    embed = target_model.embed_tokens.weight
+    lm_head = embed if target_model.lm_head_proj is None else target_model.lm_head_proj.weight
+    mask_id = _mask_token_id(getattr(args, "target", None))
+    common = dict(vocab_size=target_cfg.vocab_size, hidden_size=d, tap_dim=len(tap_layers) * d,
+                  num_heads=target_cfg.num_attention_heads, num_kv_heads=target_cfg.num_key_value_heads,
+                  head_dim=target_cfg.head_dim, intermediate_size=args.intermediate,
+                  rms_norm_eps=target_cfg.rms_norm_eps, rope_theta=target_cfg.rope_theta,
+                  block_size=args.block_size, gamma=min(args.gamma, args.block_size),
+                  tap_layers=list(tap_layers))
+    if args.kind == "dspark":
+        from dspark.drafter.dspark_drafter import DSparkConfig, DSparkModel
+
+        model = DSparkModel(DSparkConfig(**common, num_layers=args.layers, head=args.head,
+                                         head_rank=args.head_rank))
+    elif args.kind == "eagle":
+        from dspark.drafter.eagle import EagleConfig, EagleModel
+
+        model = EagleModel(EagleConfig(**common))
+    else:
+        from dspark.drafter.draft_lm import new_draft_lm
+
+        model, cfg = new_draft_lm(target_cfg, args.layers, args.intermediate, embed_weight=embed)
+        model.config = cfg
+        return model
+    model.init_from_target(embed, target_model.norm.weight, mask_id)
+    model.attach_shared(embed, lm_head)
+    return model
+
+
+def _mask_token_id(target_dir) -> int | None:
+    """Id of "<|mask|>" in the target's tokenizer (the learned mask embedding starts there)."""
+    from dspark.loader import load_tokenizer
+
+    tok = load_tokenizer(target_dir) if target_dir is not None else None
+    return tok.token_to_id("<|mask|>") if tok is not None else None
+
+
+class DrafterLoss(nn.Module):
+    """Wraps a drafter model so one forward returns the weighted loss sum of its rows
+    (what DDP needs: gradients are reduced for parameters used in this forward)."""
+
+    def __init__(self, model: nn.Module, kind: str, lm_head_weight: torch.Tensor,
+                 alphas: tuple[float, float, float],
+                 decay_lambda: float) -> None:
+        super().__init__()
+        self.model, self.kind = model, kind
+        self.lm_head_weight = lm_head_weight.detach()
+        self.alphas, self.decay_lambda = alphas, decay_lambda
+
+    def forward(self, tokens, loss_mask, taps, hidden, anchors):
+        """-> (Σ w·loss, stats dict of Σ w·component and Σ w) over this rank's rows."""
+        if self.kind == "draft_lm":
+            h_all = self.model.forward_hidden(tokens)[0]
+            valid = loss_mask[:, 1:]
+            rows = valid.nonzero(as_tuple=True)
+            logits_d = self.model.lm_head(h_all[:, :-1][rows])
+            target_tok = tokens[:, 1:][rows]
+            h_t = hidden[:, :-1][rows]
+            k0 = torch.zeros_like(target_tok)
+            conf = None
+        else:
+            b, t = tokens.shape
+            g = self.model.config.block_size
+            offs = torch.arange(1, g + 1, device=tokens.device)
+            tgt_pos = anchors[..., None] + offs  # [B, nb, G] position of the predicted token
+            inside = tgt_pos < t
+            tgt_c = tgt_pos.clamp(max=t - 1)
+            in_mask = loss_mask.gather(1, tgt_c.flatten(1)).view_as(tgt_c) & inside
+            valid = in_mask.long().cumprod(-1).bool() & (anchors >= 1)[..., None]  # contiguous valid prefix
+            h = self.model.train_hidden(tokens, taps, anchors)  # [B, nb, G, d]
+            x_prev = tokens.gather(1, (tgt_c - 1).flatten(1)).view_as(tgt_c)
+            rows = valid.nonzero(as_tuple=True)
+            h_sel, x_sel = h[rows], x_prev[rows]
+            target_tok = tokens.gather(1, tgt_c.flatten(1)).view_as(tgt_c)[rows]
+            h_t = hidden.gather(1, (tgt_c - 1).flatten(1)[..., None].expand(-1, -1, hidden.shape[-1]))
+            h_t = h_t.view(*tgt_c.shape, -1)[rows]
+            k0 = (offs - 1).expand_as(tgt_c)[rows]
+            logits_d = self.model.lm_head(h_sel)
+            if self.kind == "dspark":
+                head = self.model.head
+                feats = head.teacher(x_prev, h)
+                if feats is not None:
+                    logits_d = logits_d + head.bias(feats[rows])
+                conf = self.model.conf(h_sel, head.token_features(x_sel))
+            else:
+                conf = self.model.conf_logit(h_sel)
+        w = torch.exp(-k0.float() / self.decay_lambda)
+        logits_t = F.linear(h_t.float(), self.lm_head_weight.float())
+        logp_d = F.log_softmax(logits_d.float(), -1)
+        p_d, p_t = logp_d.exp(), F.softmax(logits_t, -1)
+        ce = F.nll_loss(logp_d, target_tok, reduction="none")
+        tv = 0.5 * (p_d - p_t).abs().sum(-1)
+        a_ce, a_tv, a_conf = self.alphas
+        loss = a_ce * ce + a_tv * tv
+        n_pos = 1 if self.kind == "draft_lm" else self.model.config.block_size
+        stats = {"ce": (w * ce).sum().detach(), "tv": (w * tv).sum().detach(), "weight": w.sum().detach(),
+                 "rows": torch.tensor(float(w.numel())),
+                 "tv_k": torch.zeros(n_pos).index_add_(0, k0, tv.detach().float()),  # per block position
+                 "n_k": torch.bincount(k0, minlength=n_pos).float()}
+        if conf is not None:
+            c_star = (1 - tv).detach().clamp(0, 1)
+            bce = F.binary_cross_entropy_with_logits(conf.float(), c_star, reduction="none")
+            loss = loss + a_conf * bce
+            stats["bce"] = (w * bce).sum().detach()
+        stats["loss"] = (w * loss).sum().detach()
+        return (w * loss).sum(), stats
+
+
+# ---------------------------------------------------------------- batches
+
+
+def sample_step(step: int, seed: int, lengths: torch.Tensor, loss_mask: torch.Tensor, batch: int,
+                n_anchors: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The global batch of `step` (same on every rank): sequence ids [B] and anchors [B, nb]
+    (valid anchors first; a sequence with fewer valid anchors repeats them)."""
+    gen = torch.Generator().manual_seed(seed * 1_000_003 + step)
+    ids = torch.randint(0, lengths.numel(), (batch,), generator=gen)
+    m = loss_mask[ids]
+    valid = m.clone()
+    valid[:, :-1] &= m[:, 1:]
+    valid[:, -1] = False
+    valid[:, 0] = False
+    scores = torch.rand(m.shape, generator=gen) + valid.float()  # valid anchors score in [1, 2)
+    top = scores.topk(min(n_anchors, m.shape[1]), dim=-1).indices
+    ok = valid.gather(1, top)
+    first = top[:, :1].expand_as(top)
+    anchors = torch.where(ok, top, first)  # invalid picks -> duplicate of the best (or invalid: masked)
+    anchors = torch.where(ok.any(1, keepdim=True), anchors, torch.zeros_like(anchors))
+    return ids, anchors
+
+
+def batch_weight(kind: str, ids, anchors, loss_mask, block: int, decay_lambda: float) -> float:
+    """Σ w over the global batch's supervised rows (the loss normaliser, identical on all ranks)."""
+    m = loss_mask[ids]
+    if kind == "draft_lm":
+        return float(m[:, 1:].sum())
+    t = m.shape[1]
+    pos = anchors[..., None] + torch.arange(1, block + 1)
+    inside = pos < t
+    ok = m.gather(1, pos.clamp(max=t - 1).flatten(1)).view_as(pos) & inside
+    ok = ok.long().cumprod(-1).bool() & (anchors >= 1)[..., None]
+    w = torch.exp(-torch.arange(block).float() / decay_lambda)
+    return float((ok.float() * w).sum())
+
+
+def lr_at(step: int, steps: int, warmup: int, peak: float) -> float:
+    if step < warmup:
+        return peak * (step + 1) / warmup
+    p = (step - warmup) / max(1, steps - warmup)
+    return peak * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, p))))
+
+
+# ---------------------------------------------------------------- main
+
+
+def _dist_setup() -> tuple[int, int]:
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world > 1 and not dist.is_initialized():
+        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+    return (dist.get_rank() if world > 1 else 0), world
+
+
+def main(args: argparse.Namespace) -> int:
+    torch.set_num_threads(args.threads)
+    from dspark.loader import load_model
+
+    if args.make_data:
+        return _make_data(args)
+    rank, world = _dist_setup()
+    if args.batch % world:
+        raise SystemExit(f"--batch {args.batch} must be divisible by the {world} processes")
+    name = args.name or default_name(args.kind, args.head)
+    out = args.out or DEMO_DRAFTERS / name
+    work = args.work or DEMO / "work" / "train" / name
+    lam = float(args.block_size) if args.decay_lambda == "gamma" else float(args.decay_lambda)
+    torch.manual_seed(args.seed)
+    target_model, target_cfg = load_model(args.target)
+    from dspark.train_data import load_data
+
+    data = load_data(args.data, target_model)
+    tap_layers = data.get("tap_layers") or list(target_model.tap_layers)
+    if list(tap_layers) != list(target_model.tap_layers):
+        raise SystemExit(f"data taps {tap_layers} != target taps {target_model.tap_layers}: regenerate data")
+    lengths = data["loss_mask"].long().cumsum(1).argmax(1) + 1
+    model = build_model(args, target_model, target_cfg, tap_layers)
+    lm_head = target_model.embed_tokens.weight if target_model.lm_head_proj is None else \
+        target_model.lm_head_proj.weight
+    loss_mod = DrafterLoss(model, args.kind, lm_head, (args.alpha_ce, args.alpha_tv, args.alpha_conf), lam)
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=args.lr, betas=(0.9, 0.95), weight_decay=args.weight_decay)
+    history: list[dict] = []
+    start, elapsed = 0, 0.0
+    ckpt = Path(work) / "ckpt.pt"
+    if ckpt.is_file() and not args.fresh:
+        state = torch.load(ckpt, weights_only=False)
+        model.load_state_dict(state["model"])
+        opt.load_state_dict(state["opt"])
+        start, history, elapsed = state["step"], state["history"], state["elapsed"]
+    runner = nn.parallel.DistributedDataParallel(loss_mod) if world > 1 else loss_mod
+    model.train()
+    t0 = time.time() - elapsed
+    bar = tqdm(range(start, args.steps), desc=f"train {name}", unit="step", disable=rank != 0,
+               initial=start, total=args.steps)
+    stop_at = args.steps if args.stop_after is None else min(args.steps, start + args.stop_after)
+    for step in bar:
+        if step >= stop_at:
+            if rank == 0:
+                _save_ckpt(ckpt, model, opt, step, history, time.time() - t0)
+            break
+        ids, anchors = sample_step(step, args.seed, lengths, data["loss_mask"], args.batch, args.anchors)
+        norm = batch_weight(args.kind, ids, anchors, data["loss_mask"], args.block_size, lam)
+        mine = slice(rank * args.batch // world, (rank + 1) * args.batch // world)
+        ids, anchors = ids[mine], anchors[mine]
+        t_max = int(lengths[ids].max())
+        tokens = data["tokens"][ids, :t_max]
+        taps = data["taps"][ids, :t_max].float()
+        hidden = data["hidden"][ids, :t_max].float()
+        lmask = data["loss_mask"][ids, :t_max]
+        anchors = anchors.clamp(max=t_max - 1)
+        for grp in opt.param_groups:
+            grp["lr"] = lr_at(step, args.steps, args.warmup, args.lr)
+        loss_sum, stats = runner(tokens, lmask, taps, hidden, anchors)
+        (loss_sum * world / max(norm, 1e-9)).backward()  # DDP averages over ranks -> Σ / norm
+        grad_norm = float(torch.nn.utils.clip_grad_norm_(params, 1.0))
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        keys = sorted(stats)
+        vec = torch.cat([stats[k].float().reshape(-1) for k in keys])
+        if world > 1:
+            dist.all_reduce(vec)
+        s = dict(zip(keys, vec.split([stats[k].numel() for k in keys])))
+        s = {k: (v.tolist() if v.numel() > 1 or k.endswith("_k") else float(v)) for k, v in s.items()}
+        rec = {"step": step + 1, "loss": s["loss"] / max(norm, 1e-9), "ce": s["ce"] / max(s["weight"], 1e-9),
+               "tv": s["tv"] / max(s["weight"], 1e-9), "rows": int(s["rows"]), "grad_norm": grad_norm,
+               "lr": opt.param_groups[0]["lr"], "time_s": round(time.time() - t0, 2)}
+        if "bce" in s:
+            rec["bce"] = s["bce"] / max(s["weight"], 1e-9)
+        # 1 − mean TV per block position: the expected acceptance of d_k given an accepted prefix
+        rec["accept_proxy_k"] = [round(1 - t / n, 4) if n else None for t, n in zip(s["tv_k"], s["n_k"])]
+        history.append(rec)
+        if rank == 0:
+            bar.set_postfix(loss=f"{rec['loss']:.4f}", tv=f"{rec['tv']:.3f}")
+            if (step + 1) % args.ckpt_every == 0 or step + 1 == args.steps:
+                _save_ckpt(ckpt, model, opt, step + 1, history, time.time() - t0)
+    if rank == 0 and len(history) == args.steps:
+        summary = _summary(args, name, model, history, lam, time.time() - t0, world, tap_layers)
+        if not args.no_export:
+            _export(args, model, out, summary)
+            summary["drafter_dir"] = str(out)
+            summary["drafter_bytes"] = sum(f.stat().st_size for f in Path(out).iterdir() if f.is_file())
+        args.results.mkdir(parents=True, exist_ok=True)
+        (args.results / f"train_{name}.json").write_text(json.dumps(summary, indent=2) + "\n")
+        _plot(history, args.results / f"train_{name}_loss.png", name)
+    if world > 1:
+        dist.barrier()
+        dist.destroy_process_group()
+    return 0
+
+
+def _make_data(args) -> int:
+    from dspark.target import TargetEngine
+    from dspark.train_data import make_data
+
+    target = TargetEngine.from_pretrained(args.target, capacity=args.gen_batch,
+                                          max_seq_len=args.max_prompt + args.max_new + 1)
+    meta = make_data(target, args.token_dir, args.data, args.n_per_domain, args.max_new, args.min_prompt,
+                     args.max_prompt, seed=args.seed, batch=args.gen_batch)
+    print(json.dumps(meta, indent=2))
+    return 0
+
+
+def _save_ckpt(path: Path, model, opt, step: int, history: list, elapsed: float) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".pt.tmp")
+    torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "step": step, "history": history,
+                "elapsed": elapsed}, tmp)
+    os.replace(tmp, path)
+
+
+def _summary(args, name, model, history, lam, seconds, world, tap_layers) -> dict:
+    last = history[-10:]
+    mean = lambda k: sum(r[k] for r in last if k in r) / max(1, sum(k in r for r in last))
+    cfg = model.config
+    return {"name": name, "kind": args.kind, "head": args.head if args.kind == "dspark" else None,
+            "steps": args.steps, "batch_sequences": args.batch, "anchors_per_sequence": args.anchors,
+            "block_size": args.block_size, "decay_lambda": lam, "alphas": [args.alpha_ce, args.alpha_tv,
+                                                                          args.alpha_conf],
+            "lr": args.lr, "seed": args.seed, "world_size": world, "target": str(args.target),
+            "data": str(args.data), "tap_layers": list(tap_layers),
+            "trainable_params": sum(p.numel() for p in model.parameters()),
+            "config": cfg.to_json() if hasattr(cfg, "to_json") else cfg.to_dict(),
+            "final": {k: mean(k) for k in ("loss", "ce", "tv", "bce") if any(k in r for r in last)},
+            "final_accept_proxy_k": _mean_lists([r["accept_proxy_k"] for r in last]),
+            "train_seconds": round(seconds, 1), "history": history}
+
+
+def _mean_lists(rows: list[list[float | None]]) -> list[float | None]:
+    cols = list(zip(*rows))
+    return [round(sum(v for v in c if v is not None) / max(1, sum(v is not None for v in c)), 4)
+            if any(v is not None for v in c) else None for c in cols]
+
+
+def _export(args, model, out: Path, summary: dict) -> None:
+    dtype = getattr(torch, args.save_dtype)
+    if args.kind == "dspark":
+        from dspark.drafter.dspark_drafter import save_dspark
+
+        save_dspark(model, out, dtype)
+    elif args.kind == "eagle":
+        from dspark.drafter.eagle import save_eagle
+
+        save_eagle(model, out, dtype)
+    else:
+        from dspark.drafter.draft_lm import save_draft_lm
+
+        tok = Path(args.target) / "tokenizer.json"
+        save_draft_lm(model, model.config, out, tok if tok.is_file() else None, dtype, args.block_size)
+    (Path(out) / "train.json").write_text(json.dumps({k: v for k, v in summary.items() if k != "history"},
+                                                     indent=2) + "\n")
+
+
+def _plot(history: list[dict], path: Path, name: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    steps = [r["step"] for r in history]
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for key in ("loss", "tv", "ce", "bce"):
+        ys = [r.get(key) for r in history]
+        if all(y is not None for y in ys) and ys:
+            k = max(1, len(ys) // 50)
+            sm = [sum(ys[max(0, i - k + 1):i + 1]) / len(ys[max(0, i - k + 1):i + 1]) for i in range(len(ys))]
+            ax.plot(steps, sm, label=key)
+    ax.set_xlabel("step")
+    ax.set_ylabel("weighted mean per supervised row")
+    ax.set_yscale("log")
+    ax.set_title(f"drafter training: {name}")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

@@ -1,0 +1,294 @@
+"""Drafters (DESIGN §5): DSpark (Markov / RNN / none), EAGLE-style and the draft LM behind
+`DrafterLike`: shapes, exact draft distributions, greedy = argmax, the sequential head's
+dependence on x_{k−1}, confidence never reading x_k, per-slot isolation, save/load, the
+training forward equal to the serving path, and lossless greedy speculative decoding."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from dspark.drafter import load_drafter
+from dspark.drafter.draft_lm import DraftLMDrafter, new_draft_lm, save_draft_lm
+from dspark.drafter.dspark_drafter import (
+    DSparkConfig,
+    DSparkDrafter,
+    DSparkModel,
+    save_dspark,
+    shared_weights,
+)
+from dspark.drafter.eagle import EagleConfig, EagleDrafter, EagleModel, save_eagle
+from dspark.sampling import SamplingParams, param_tensors, sampling_probs
+from dspark.target import TargetEngine
+
+torch.set_num_threads(1)
+G = 6  # trained block size in these tests
+MIXED = [SamplingParams(), SamplingParams(temperature=0.8, top_k=20, top_p=0.9, seed=3)]
+
+
+@pytest.fixture(scope="module")
+def target(tiny_ckpt):
+    return TargetEngine.from_pretrained(tiny_ckpt, capacity=4, max_seq_len=160)
+
+
+def _randomise(model: torch.nn.Module, seed: int, std: float = 0.2) -> None:
+    """Untrained heads start at B = 0 / z = 0; give every weight a random value instead."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(torch.randn(p.shape, generator=gen) * std + (1.0 if p.dim() == 1 else 0.0))
+
+
+def make_dspark(target, head: str, seed: int = 0, gamma: int = 4) -> DSparkDrafter:
+    cfg = target.config
+    dc = DSparkConfig(vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size, tap_dim=target.tap_dim,
+                      num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16, intermediate_size=64,
+                      block_size=G, gamma=gamma, head=head, head_rank=16, tap_layers=list(target.tap_layers))
+    model = DSparkModel(dc)
+    _randomise(model, seed)
+    emb, lm, _ = shared_weights(target)
+    return DSparkDrafter(model, emb, lm)
+
+
+def make_eagle(target, seed: int = 0) -> EagleDrafter:
+    cfg = target.config
+    ec = EagleConfig(vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size, tap_dim=target.tap_dim,
+                     num_heads=4,
+                     num_kv_heads=2, head_dim=16, intermediate_size=64, block_size=G, gamma=4)
+    model = EagleModel(ec)
+    _randomise(model, seed)
+    emb, lm, _ = shared_weights(target)
+    return EagleDrafter(model, emb, lm)
+
+
+def make_draft_lm(target, folder, seed: int = 0) -> DraftLMDrafter:
+    torch.manual_seed(seed)
+    model, cfg = new_draft_lm(target.config, num_layers=1, intermediate_size=64,
+                              embed_weight=shared_weights(target)[0])
+    save_draft_lm(model, cfg, folder, None, max_gamma=G)
+    return load_drafter(str(folder), target, gamma=4)
+
+
+def prompts_and_taps(target, lengths=(7, 12), seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    prompts = [torch.randint(3, target.vocab_size, (n,), generator=gen).tolist() for n in lengths]
+    slots = [target.allocate() for _ in prompts]
+    try:
+        _, taps = target.prefill(slots, prompts)
+    finally:
+        for s in slots:
+            target.release(s)
+    return prompts, taps
+
+
+def start_all(drafter, prompts, taps, slots):
+    for s, p, t in zip(slots, prompts, taps):
+        drafter.start(s, p, t)
+
+
+@pytest.mark.parametrize("head", ["markov", "rnn", "none"])
+def test_dspark_block_is_exact_sampling_distribution(target, head):
+    d = make_dspark(target, head)
+    prompts, taps = prompts_and_taps(target)
+    start_all(d, prompts, taps, [0, 1])
+    anchors = torch.tensor([5, 9])
+    gens = [None, MIXED[1].generator()]
+    blk = d.propose([0, 1], anchors, MIXED, gens)
+    assert blk.tokens.shape == (2, 4) and blk.tokens.dtype == torch.int64
+    assert blk.probs.shape == (2, 4, target.vocab_size) and blk.conf_logits.shape == (2, 4)
+    assert torch.allclose(blk.probs.sum(-1), torch.ones(2, 4), atol=1e-5)
+    logits, conf = d.score([0, 1], anchors, blk.tokens)
+    for k in range(4):
+        expect = sampling_probs(logits[:, k], *param_tensors(MIXED))
+        assert torch.allclose(blk.probs[:, k], expect, atol=1e-6)
+        assert blk.probs[torch.arange(2), k, blk.tokens[:, k]].min() > 0  # drawn from its own distribution
+    assert torch.equal(blk.tokens[0], logits[0].argmax(-1))  # greedy row = argmax
+    assert torch.equal(blk.probs[0].max(-1).values, torch.ones(4))  # ... with a one-hot distribution
+    assert torch.allclose(conf, blk.conf_logits, atol=1e-6)
+
+
+def test_sequential_head_reads_previous_token_and_confidence_never_reads_x_k(target):
+    prompts, taps = prompts_and_taps(target)
+    anchors = torch.tensor([5, 9])
+    base = torch.tensor([[10, 11, 12, 13], [20, 21, 22, 23]])
+    changed = base.clone()
+    changed[:, 1] = torch.tensor([40, 41])  # x_2 differs
+    for head in ("markov", "rnn", "none"):
+        d = make_dspark(target, head)
+        start_all(d, prompts, taps, [0, 1])
+        la, ca = d.score([0, 1], anchors, base)
+        lb, cb = d.score([0, 1], anchors, changed)
+        # positions 1, 2 read x_0, x_1 only: unchanged; confidence at k = 2 never reads x_2
+        assert torch.equal(la[:, :2], lb[:, :2]) and torch.equal(ca[:, :2], cb[:, :2])
+        assert not torch.equal(ca[:, 2], cb[:, 2])  # c_3 reads x_2
+        if head == "none":
+            assert torch.equal(la[:, 2], lb[:, 2])  # DFlash: independent positions
+        else:
+            assert not torch.allclose(la[:, 2], lb[:, 2])  # p_3 depends on x_2
+
+
+def test_slots_are_isolated(target):
+    d = make_dspark(target, "rnn")
+    prompts, taps = prompts_and_taps(target, lengths=(7, 12, 9))
+    greedy = [SamplingParams()]
+    d.start(0, prompts[0], taps[0])
+    alone = d.propose([0], torch.tensor([5]), greedy, [None])
+    start_all(d, prompts[1:], taps[1:], [1, 2])
+    both = d.propose([1, 0], torch.tensor([8, 5]), greedy * 2, [None, None])
+    assert torch.equal(both.tokens[1], alone.tokens[0])
+    assert torch.allclose(both.probs[1], alone.probs[0], atol=1e-6)
+    d.extend([1], [torch.tensor([8, 8])], [taps[1][:2]])  # other slots' contexts grow
+    d.release(2)
+    d.start(2, prompts[1], taps[1])
+    assert d.context_length(1) == 14 and d.context_length(2) == 12 and d.context_length(0) == 7
+    again = d.propose([0, 2], torch.tensor([5, 1]), greedy * 2, [None, None])
+    assert torch.allclose(again.conf_logits[0], alone.conf_logits[0], atol=1e-6)
+    d.extend([0], [torch.tensor([5])], [taps[0][:1]])  # extending slot 0 changes its own drafts only
+    moved = d.propose([0], torch.tensor([5]), greedy, [None])
+    assert not torch.allclose(moved.conf_logits, alone.conf_logits)
+    with pytest.raises(KeyError):
+        d.propose([3], torch.tensor([1]), greedy, [None])
+
+
+def test_gamma_uses_the_trained_block(target):
+    d = make_dspark(target, "markov", gamma=G)
+    prompts, taps = prompts_and_taps(target)
+    d.start(0, prompts[0], taps[0])
+    full = d.propose([0], torch.tensor([5]), [SamplingParams()], [None])
+    d.gamma = 3
+    short = d.propose([0], torch.tensor([5]), [SamplingParams()], [None])
+    assert short.tokens.shape == (1, 3) and torch.equal(short.tokens, full.tokens[:, :3])
+    with pytest.raises(ValueError):
+        d.gamma = G + 1
+
+
+@pytest.mark.parametrize("head", ["markov", "rnn"])
+def test_training_forward_equals_serving_path(target, head):
+    """Many anchors in one training pass give the same logits as the per-slot serving path."""
+    d = make_dspark(target, head, gamma=G)
+    m = d.model
+    gen = torch.Generator().manual_seed(1)
+    tokens = torch.randint(3, target.vocab_size, (1, 24), generator=gen)
+    _, taps = target.model.forward_hidden(tokens)
+    anchors = torch.tensor([[4, 11, 17]])
+    with torch.no_grad():
+        h = m.train_hidden(tokens, taps, anchors)
+        x_prev = tokens[0, anchors[0, :, None] + torch.arange(G)]
+        feats = m.head.teacher(x_prev, h[0])
+        logits = m.lm_head(h[0]) + m.head.bias(feats)
+    for j, a in enumerate(anchors[0].tolist()):
+        d.start(0, tokens[0, :a].tolist(), taps[0, :a])
+        served, _ = d.score([0], tokens[0, a:a + 1], tokens[:, a + 1:a + 1 + G])
+        d.release(0)
+        assert torch.allclose(served[0], logits[j], atol=1e-4)
+
+
+def test_dspark_save_load_roundtrip(target, tmp_path):
+    d = make_dspark(target, "rnn")
+    save_dspark(d.model, tmp_path / "dsp")
+    (tmp_path / "dsp" / "calibration.json").write_text(json.dumps({"sts_temperatures": [1.5] * 4}))
+    loaded = load_drafter(str(tmp_path / "dsp"), target, gamma=4)
+    assert isinstance(loaded, DSparkDrafter) and loaded.sts_temperatures == [1.5] * 4
+    prompts, taps = prompts_and_taps(target)
+    outs = []
+    for drafter in (d, loaded):
+        start_all(drafter, prompts, taps, [0, 1])
+        outs.append(drafter.propose([0, 1], torch.tensor([5, 9]), MIXED, [None, MIXED[1].generator()]))
+    assert torch.equal(outs[0].tokens, outs[1].tokens)
+    assert torch.equal(outs[0].probs, outs[1].probs) and torch.equal(outs[0].conf_logits, outs[1].conf_logits)
+    stored = sum(p.stat().st_size for p in (tmp_path / "dsp").iterdir())
+    assert stored < d.model.trainable_bytes() + 20_000  # the shared embedding / LM head are not stored
+
+
+def test_eagle_interface_and_unrolled_training_equals_serving(target, tmp_path):
+    d = make_eagle(target)
+    d.gamma = G
+    prompts, taps = prompts_and_taps(target)
+    start_all(d, prompts, taps, [0, 1])
+    blk = d.propose([0, 1], torch.tensor([5, 9]), MIXED, [None, MIXED[1].generator()])
+    assert blk.tokens.shape == (2, G) and blk.probs.shape == (2, G, target.vocab_size)
+    assert torch.allclose(blk.probs.sum(-1), torch.ones(2, G), atol=1e-5)
+    assert torch.equal(blk.probs[0].max(-1).values, torch.ones(G))
+    # the greedy chain, replayed teacher-forced through the training-time test, gives the same steps
+    seq = torch.tensor([prompts[0] + [5] + blk.tokens[0].tolist() + [0]])
+    _, seq_taps = target.model.forward_hidden(seq)
+    with torch.no_grad():
+        h = d.model.train_hidden(seq, seq_taps, torch.tensor([[len(prompts[0])]]))
+        logits = d.model.lm_head(h)[0, 0]
+    assert torch.equal(logits.argmax(-1), blk.tokens[0])
+    assert torch.allclose(d.model.conf_logit(h)[0, 0], blk.conf_logits[0], atol=1e-4)
+    d.extend([0], [torch.tensor([5, int(blk.tokens[0, 0])])], [taps[0][:2]])
+    assert d.propose([0], torch.tensor([7]), MIXED[:1], [None]).tokens.shape == (1, G)
+    save_eagle(d.model, tmp_path / "eagle")
+    loaded = load_drafter(str(tmp_path / "eagle"), target, gamma=G)
+    start_all(loaded, prompts, taps, [0, 1])
+    again = loaded.propose([0, 1], torch.tensor([5, 9]), MIXED, [None, MIXED[1].generator()])
+    assert torch.equal(again.tokens, blk.tokens) and torch.allclose(again.probs, blk.probs, atol=1e-6)
+
+
+def test_draft_lm_interface_matches_its_own_greedy_decoding(target, tmp_path):
+    d = make_draft_lm(target, tmp_path / "dlm")
+    prompts, taps = prompts_and_taps(target)
+    start_all(d, prompts, taps, [0, 1])
+    blk = d.propose([0, 1], torch.tensor([5, 9]), MIXED, [None, MIXED[1].generator()])
+    assert blk.tokens.shape == (2, 4) and torch.allclose(blk.probs.sum(-1), torch.ones(2, 4), atol=1e-5)
+    plain = d.engine.generate([prompts[0] + [5]], 4)[0]  # greedy row = the draft model's own greedy output
+    assert blk.tokens[0].tolist() == plain
+    d.extend([0], [torch.tensor([5, plain[0]])], [None])
+    nxt = d.propose([0], torch.tensor([plain[1]]), MIXED[:1], [None])
+    assert nxt.tokens[0].tolist() == plain[2:4] + d.engine.generate([prompts[0] + [5] + plain[:4]], 2)[0]
+    d.release(0)
+    d.release(1)
+    assert d.engine.num_free_slots() == 4
+
+
+def test_draft_lm_folder_loads_in_transformers(target, tmp_path):
+    transformers = pytest.importorskip("transformers")
+    d = make_draft_lm(target, tmp_path / "dlm")
+    hf = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "dlm"), dtype=torch.float32).eval()
+    tokens = torch.tensor([[5, 17, 42, 9, 3]])
+    with torch.no_grad():
+        ours = d.engine.model.forward_train(tokens)
+        theirs = hf(tokens).logits
+    assert torch.allclose(ours, theirs, atol=1e-4)
+
+
+@pytest.mark.parametrize("kind", ["dspark-markov", "dspark-none", "eagle", "draft_lm"])
+def test_greedy_speculative_output_equals_plain_decoding(target, tmp_path, kind):
+    engine_mod = pytest.importorskip("dspark.engine")
+    if kind == "eagle":
+        drafter = make_eagle(target)
+    elif kind == "draft_lm":
+        drafter = make_draft_lm(target, tmp_path / "dlm")
+    else:
+        drafter = make_dspark(target, kind.split("-")[1])
+    prompts, _ = prompts_and_taps(target)
+    plain = target.generate(prompts, 20)
+    eng = engine_mod.SpecEngine(target, drafter, policy="fixed:3")
+    spec = eng.generate(prompts, 20)
+    assert eng.metrics.drafter_fallbacks == 0
+    assert spec == plain
+    assert sum(eng.metrics.drafted) > 0 and eng.metrics.steps < 2 * 20
+
+
+def test_load_rejects_a_drafter_trained_on_other_taps(target, tmp_path):
+    d = make_dspark(target, "markov")
+    d.model.config.tap_layers = [0, 1, 1]
+    save_dspark(d.model, tmp_path / "other")
+    with pytest.raises(ValueError, match="taps"):
+        load_drafter(str(tmp_path / "other"), target)
+    with pytest.raises(ValueError, match="unknown drafter"):
+        load_drafter(str(tmp_path / "missing"), target)
+
+
+def test_training_forward_accepts_masked_anchor_zero(target):
+    """A sequence without valid anchors gets anchor 0 (masked by the loss): forwards must not fail."""
+    tokens = torch.randint(3, target.vocab_size, (1, 12), generator=torch.Generator().manual_seed(0))
+    _, taps = target.model.forward_hidden(tokens)
+    anchors = torch.tensor([[0, 5]])
+    for drafter in (make_eagle(target), make_dspark(target, "rnn")):
+        with torch.no_grad():
+            h = drafter.model.train_hidden(tokens, taps, anchors)
+        assert h.shape == (1, 2, G, target.config.hidden_size) and torch.isfinite(h).all()
