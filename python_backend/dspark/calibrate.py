@@ -1,0 +1,388 @@
+"""`dspark calibrate`: Sequential Temperature Scaling of a drafter's confidence head
+(DESIGN §8).
+
+The drafter runs against the target with a fixed verify length γ (scheduler off, so
+each request's blocks are what batch 1 gives), on held-out prompts. Every drafted block
+gives confidence logits z [γ] and the realised prefix survival n (accepted draft tokens).
+For k = 1..γ in order, T_k is the grid point minimising the 20-bin ECE of
+â_k = Π_{i≤k} σ(z_i/T_i) against 1[n ≥ k], with T_<k already fixed. Temperatures go to
+<drafter>/calibration.json; ECE and AUROC per position, before (all T = 1) and after,
+are reported and stored beside them."""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from dspark.metrics import ECE_BINS, auroc, ece, reliability, sigmoid, survival
+from dspark.sampling import SamplingParams
+
+# Log-spaced temperatures 0.05 .. 20 (ECE is piecewise constant in T, so a grid suffices).
+STS_GRID = np.exp(np.linspace(math.log(0.05), math.log(20.0), 241))
+CALIBRATION_FILE = "calibration.json"
+MIN_CLASS = 5  # survivors and failures a position needs before its T_k is fitted
+CALIBRATION_FRACTION = 4  # one prompt in 4 (by content hash) is held out for calibration
+
+
+@dataclass
+class BlockTrace:
+    """Per drafted block (one verify step of one request) at fixed γ."""
+
+    conf_logits: np.ndarray  # [N, γ] f64, confidence logits z_k
+    n_accepted: np.ndarray  # [N] i64, accepted draft tokens (prefix survival)
+    n_verified: np.ndarray  # [N] i64, draft tokens the target verified (γ unless capped near the end)
+
+    @property
+    def gamma(self) -> int:
+        return int(self.conf_logits.shape[1])
+
+    def __len__(self) -> int:
+        return int(self.conf_logits.shape[0])
+
+    @classmethod
+    def from_rows(cls, rows: list[dict]) -> BlockTrace:
+        """Rows {"conf_logits": [γ], "n_accepted": n, "n_verified": ℓ} (all the same γ); the
+        simulator's trace lines {"conf_logits", "accepted"} (all γ verified) work too."""
+        if not rows:
+            raise ValueError("empty trace")
+        z = np.asarray([r["conf_logits"] for r in rows], dtype=np.float64)
+        n = np.asarray([r.get("n_accepted", r.get("accepted")) for r in rows], dtype=np.int64)
+        ell = np.asarray([r.get("n_verified", z.shape[1]) for r in rows], dtype=np.int64)
+        return cls(z, n, ell)
+
+
+def is_calibration_prompt(text: str) -> bool:
+    """Deterministic held-out split by content: calibration prompts never appear in eval."""
+    return int(hashlib.sha1(text.encode("utf-8")).hexdigest(), 16) % CALIBRATION_FRACTION == 0
+
+
+def _observed(trace: BlockTrace, k: int) -> tuple[np.ndarray, np.ndarray]:
+    """(mask of blocks where position k was verified, survival indicator 1[n ≥ k])."""
+    return trace.n_verified >= k, trace.n_accepted >= k
+
+
+def _ece_per_row(conf: np.ndarray, outcome: np.ndarray, n_bins: int) -> np.ndarray:
+    """ECE of each row of conf [G, N] against the same outcomes [N] (= metrics.ece per row)."""
+    g, n = conf.shape
+    b = np.clip(np.floor(conf * n_bins).astype(np.int64), 0, n_bins - 1) + n_bins * np.arange(g)[:, None]
+    sum_c = np.bincount(b.ravel(), weights=conf.ravel(), minlength=g * n_bins)
+    sum_y = np.bincount(b.ravel(), weights=np.broadcast_to(outcome, (g, n)).ravel().astype(np.float64),
+                        minlength=g * n_bins)
+    return np.abs(sum_c - sum_y).reshape(g, n_bins).sum(1) / n
+
+
+def fit_sts(trace: BlockTrace, grid: np.ndarray = STS_GRID, n_bins: int = ECE_BINS,
+            min_class: int = MIN_CLASS) -> list[float]:
+    """Sequential Temperature Scaling: T_1..T_γ, each the ECE-minimising grid point given
+    T_<k (ties go to the temperature closest to 1). A position with fewer than `min_class`
+    survivors or failures among its verified blocks has nothing to fit (the minimiser
+    runs to the grid's edge): it keeps the previous position's T (1 for k = 1)."""
+    z = trace.conf_logits
+    temps: list[float] = []
+    prefix = np.ones(len(trace))  # Π_{i<k} σ(z_i/T_i) with the fitted T_i
+    tie_order = np.argsort(np.abs(np.log(grid)), kind="stable")
+    for k in range(1, trace.gamma + 1):
+        mask, alive = _observed(trace, k)
+        best_t = temps[-1] if temps else 1.0
+        n_alive = int(alive[mask].sum())
+        if min(n_alive, int(mask.sum()) - n_alive) >= min_class:
+            zk, pre, y = z[mask, k - 1], prefix[mask], alive[mask]
+            errors = _ece_per_row(pre * sigmoid(zk[None, :] / grid[:, None]), y, n_bins)
+            best_t = float(grid[tie_order[np.argmin(errors[tie_order])]])
+        temps.append(best_t)
+        prefix = prefix * sigmoid(z[:, k - 1] / best_t)
+    return temps
+
+
+def position_report(trace: BlockTrace, temperatures: list[float] | None) -> dict[str, list]:
+    """Per position k: ECE (20 bins) and AUROC of â_k vs 1[n ≥ k] over verified blocks."""
+    a = survival(torch.from_numpy(trace.conf_logits), temperatures).numpy()
+    ece_k, auroc_k = [], []
+    for k in range(1, trace.gamma + 1):
+        mask, alive = _observed(trace, k)
+        ece_k.append(ece(a[mask, k - 1], alive[mask]))
+        auroc_k.append(auroc(a[mask, k - 1], alive[mask]))
+    return {"ece": ece_k, "auroc": auroc_k}
+
+
+def pooled(trace: BlockTrace, temperatures: list[float] | None) -> tuple[np.ndarray, np.ndarray]:
+    """All (â_k, 1[n ≥ k]) pairs over positions, for pooled reliability diagrams."""
+    a = survival(torch.from_numpy(trace.conf_logits), temperatures).numpy()
+    k = np.arange(1, trace.gamma + 1)[None, :]
+    mask = trace.n_verified[:, None] >= k
+    return a[mask], (trace.n_accepted[:, None] >= k)[mask]
+
+
+def calibrate_trace(trace: BlockTrace) -> dict:
+    """Fit STS and measure before/after: the calibration.json payload."""
+    temps = fit_sts(trace)
+    before, after = position_report(trace, None), position_report(trace, temps)
+    return {
+        "sts_temperatures": temps,
+        "gamma": trace.gamma,
+        "n_blocks": len(trace),
+        "ece_before": before["ece"],
+        "ece_after": after["ece"],
+        "auroc_before": before["auroc"],
+        "auroc_after": after["auroc"],
+    }
+
+
+def plot_reliability(trace: BlockTrace, temperatures: list[float], title: str, path: Path) -> None:
+    """Pooled reliability diagram before/after STS plus per-position ECE bars."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax0, ax1) = plt.subplots(1, 2, figsize=(10, 4.2))
+    ax0.plot([0, 1], [0, 1], "k--", lw=1, label="perfect")
+    for temps, label, marker in ((None, "before (T=1)", "o"), (temperatures, "after STS", "s")):
+        r = reliability(*pooled(trace, temps))
+        xs = [c for c, n in zip(r["mean_conf"], r["count"]) if n]
+        ys = [f for f, n in zip(r["frequency"], r["count"]) if n]
+        ax0.plot(xs, ys, marker=marker, label=f"{label}, pooled ECE {100 * ece(*pooled(trace, temps)):.1f}%")
+    ax0.set(xlabel="predicted survival â_k", ylabel="observed 1[n ≥ k]", xlim=(0, 1), ylim=(0, 1),
+            title=f"{title}: reliability (all verified k)")
+    ax0.legend(fontsize=8)
+    before, after = position_report(trace, None), position_report(trace, temperatures)
+    ks = np.arange(1, trace.gamma + 1)
+    ax1.bar(ks - 0.2, 100 * np.asarray(before["ece"]), 0.4, label="before")
+    ax1.bar(ks + 0.2, 100 * np.asarray(after["ece"]), 0.4, label="after STS")
+    ax1.axhline(2.0, color="k", ls=":", lw=1)
+    ax1.set(xlabel="position k", ylabel="ECE (%)", title="ECE per position (20 bins)")
+    ax1.legend(fontsize=8)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def write_calibration(drafter_dir: Path, payload: dict) -> Path:
+    path = Path(drafter_dir) / CALIBRATION_FILE
+    path.write_text(json.dumps(payload, indent=1) + "\n")
+    return path
+
+
+def read_temperatures(drafter_dir: str | Path | None) -> list[float] | None:
+    """STS temperatures stored with a drafter folder, None when it has none."""
+    if drafter_dir is None:
+        return None
+    path = Path(drafter_dir) / CALIBRATION_FILE
+    if not path.is_file():
+        return None
+    return [float(t) for t in json.loads(path.read_text())["sts_temperatures"]]
+
+
+# ---- recording traces on the real speculative loop ----
+
+class RecordingDrafter:
+    """Delegates to a drafter and keeps the confidence logits of its last proposal per
+    slot, so the engine loop runs unchanged while we record z per drafted block."""
+
+    def __init__(self, inner) -> None:
+        self.inner = inner
+        self.gamma = int(inner.gamma)
+        self.last_conf: dict[int, list[float]] = {}  # slot -> z [γ] of the latest propose()
+
+    def start(self, slot, prompt, taps):
+        return self.inner.start(slot, prompt, taps)
+
+    def release(self, slot):
+        return self.inner.release(slot)
+
+    def extend(self, slots, tokens, taps):
+        return self.inner.extend(slots, tokens, taps)
+
+    def propose(self, slots, anchors, params, generators):
+        block = self.inner.propose(slots, anchors, params, generators)
+        z = block.conf_logits.detach().float().cpu()
+        self.last_conf = {int(s): [round(float(v), 4) for v in z[i]] for i, s in enumerate(slots)}
+        return block
+
+
+def run_requests(engine, recorder: RecordingDrafter, prompts: list[list[int]], max_tokens: int,
+                 params: list[SamplingParams], concurrency: int = 1, on_done=None) -> list[dict]:
+    """Run prompts through `engine` (built on `recorder`), at most `concurrency` at a time
+    (1 = batch 1). Per request: its blocks [{"conf_logits", "n_accepted", "n_verified"}],
+    emitted tokens and verify steps. With policy fixed:γ a request's acceptance does not
+    depend on the others in the batch (own generator, own ℓ), so concurrency only buys
+    CPU efficiency."""
+    pending, live, results = list(range(len(prompts))), {}, [None] * len(prompts)
+    while pending or live:
+        while pending and len(live) < concurrency:
+            i = pending.pop(0)
+            live[i] = (engine.add_request(prompts[i], max_tokens, params[i]), [])
+        before = {i: (r.verify_steps, sum(r.verified), sum(r.accepted)) for i, (r, _) in live.items()}
+        recorder.last_conf = {}
+        engine.step()
+        for i, (req, blocks) in list(live.items()):
+            steps, verified, accepted = before[i]
+            if req.verify_steps > steps and req.slot in recorder.last_conf:
+                blocks.append({"conf_logits": recorder.last_conf[req.slot],
+                               "n_accepted": sum(req.accepted) - accepted,
+                               "n_verified": sum(req.verified) - verified})
+            if req.finished:
+                results[i] = {"blocks": blocks, "emitted": req.verify_emitted,
+                              "verify_steps": req.verify_steps, "output_len": len(req.output),
+                              "finish_reason": req.finish_reason}
+                del live[i]
+                if on_done is not None:
+                    on_done()
+    return results
+
+
+# ---- drafters, prompts and trace files shared with `dspark eval` ----
+
+def build_drafter(spec: str, target, gamma: int):
+    """-> (drafter drafting γ tokens, or its trained block size if smaller; its folder or
+    None). `spec`: "ngram[:N]", a folder name under build/demo/drafters, or a folder path."""
+    from dspark.drafter import load_drafter
+    from dspark.paths import DEMO_DRAFTERS
+
+    folder = None
+    if not spec.startswith("ngram"):
+        folder = Path(spec) if Path(spec).is_dir() else DEMO_DRAFTERS / spec
+        if not folder.is_dir():
+            raise FileNotFoundError(f"no drafter folder {spec!r} (nor {folder})")
+        spec = str(folder)
+    try:
+        return load_drafter(spec, target, gamma=gamma), folder
+    except ValueError:  # trained block shorter than γ: its own largest γ
+        config = json.loads((folder / "config.json").read_text()) if folder else {}
+        size = int(config.get("block_size", config.get("gamma", gamma)))
+        if folder is None or size >= gamma:
+            raise
+        return load_drafter(spec, target, gamma=size), folder
+
+
+def pad_temperatures(temps: list[float] | None, gamma: int) -> list[float]:
+    """STS temperatures for γ positions: stored ones, then 1 (uncalibrated) for the rest."""
+    temps = list(temps or [])[:gamma]
+    return temps + [1.0] * (gamma - len(temps))
+
+
+def encode_prompt(target, text: str, max_prompt_tokens: int) -> list[int]:
+    """Token ids of a prompt, keeping its last `max_prompt_tokens` (the CPU budget)."""
+    from dspark.text import encode
+
+    ids = encode(target.tokenizer, text)
+    return ids[-max_prompt_tokens:] or [0]
+
+
+def split_prompts(domain: str, n: int, calibration: bool) -> list[str]:
+    """Up to n prompts of a domain from one side of the deterministic calibration split."""
+    from dspark.prompts import load_prompt_set
+
+    pool = load_prompt_set(domain, n * CALIBRATION_FRACTION * 3)
+    texts = [p if isinstance(p, str) else p["prompt"] for p in pool]
+    return [t for t in texts if is_calibration_prompt(t) == calibration][:n]
+
+
+# ---- CLI ----
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    from dspark.paths import DEMO_TARGET
+
+    p.add_argument("--drafter", required=True,
+                   help="drafter folder name under build/demo/drafters, a path, ngram; comma list; or 'all'")
+    p.add_argument("--target", default=str(DEMO_TARGET))
+    p.add_argument("--traces", default=None,
+                   help="fit from a recorded trace JSONL instead of running the drafter")
+    p.add_argument("--gamma", type=int, default=15, help="drafted block length (the largest γ served)")
+    p.add_argument("--n-prompts", type=int, default=12, help="held-out calibration prompts per domain")
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--max-prompt-tokens", type=int, default=128)
+    p.add_argument("--temperature", type=float, default=1.0,
+                   help="sampling temperature of the calibration runs")
+    p.add_argument("--seed", type=int, default=1000)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--concurrency", type=int, default=12,
+                   help="requests in flight (fixed:γ: per-request statistics as at batch 1)")
+    p.add_argument("--results", default=None,
+                   help="folder for reliability_<drafter>.png and traces/calibration_<drafter>.jsonl")
+    p.add_argument("--no-write", action="store_true", help="report only; leave calibration.json alone")
+
+
+def collect_calibration_trace(target, spec: str, args: argparse.Namespace) -> tuple[BlockTrace, Path | None]:
+    """Run a drafter at fixed γ on the held-out calibration prompts of every domain."""
+    from tqdm import tqdm
+
+    from dspark.engine import SpecEngine
+
+    drafter, folder = build_drafter(spec, target, gamma=args.gamma)
+    recorder = RecordingDrafter(drafter)
+    engine = SpecEngine(target, recorder, policy=f"fixed:{drafter.gamma}")  # scheduler off
+    texts = [t for d in ("code", "math", "prose") for t in split_prompts(d, args.n_prompts, calibration=True)]
+    prompts = [encode_prompt(target, text, args.max_prompt_tokens) for text in texts]
+    params = [SamplingParams(temperature=args.temperature, seed=args.seed + i) for i in range(len(prompts))]
+    with tqdm(total=len(prompts), desc=f"calibrate {Path(spec).name}", unit="req") as bar:
+        runs = run_requests(engine, recorder, prompts, args.max_tokens, params, args.concurrency,
+                            on_done=lambda: bar.update(1))
+    return BlockTrace.from_rows([b for r in runs for b in r["blocks"]]), folder
+
+
+def _read_trace_file(path: str | Path) -> BlockTrace:
+    """Blocks from a JSONL of block rows, request rows {"blocks": [...]}, or simulator traces."""
+    rows = [json.loads(line) for line in open(path) if line.strip()]
+    return BlockTrace.from_rows([b for r in rows if "meta" not in r for b in r.get("blocks", [r])])
+
+
+def _save_trace(path: Path, trace: BlockTrace) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w") as f:
+        for z, n, ell in zip(trace.conf_logits, trace.n_accepted, trace.n_verified):
+            f.write(json.dumps({"conf_logits": [round(float(v), 4) for v in z], "n_accepted": int(n),
+                                "n_verified": int(ell)}) + "\n")
+
+
+def main(args: argparse.Namespace) -> int:
+    from dspark.paths import DEMO_DRAFTERS, RESULTS
+
+    torch.set_num_threads(args.threads)
+    results = Path(args.results) if args.results else RESULTS
+    specs = args.drafter.split(",")
+    if specs == ["all"]:
+        specs = sorted(p.name for p in DEMO_DRAFTERS.iterdir() if (p / "model.safetensors").is_file())
+    target = None
+    for spec in specs:
+        if args.traces:
+            trace = _read_trace_file(args.traces)
+            folder = None if spec.startswith("ngram") else Path(spec)
+        else:
+            if target is None:
+                from dspark.target import TargetEngine
+
+                max_seq_len = args.max_prompt_tokens + args.max_tokens + args.gamma + 8
+                target = TargetEngine.from_pretrained(args.target, capacity=args.concurrency,
+                                                      max_seq_len=max_seq_len)
+            trace, folder = collect_calibration_trace(target, spec, args)
+        name = Path(spec).name
+        if not args.traces:
+            _save_trace(results / "traces" / f"calibration_{name}.jsonl", trace)
+        payload = calibrate_trace(trace)
+        payload.update({"ece_bins": ECE_BINS, "min_class": MIN_CLASS})
+        if args.traces:
+            payload["source_traces"] = str(args.traces)
+        else:
+            payload.update({"sampling_temperature": args.temperature, "n_prompts_per_domain": args.n_prompts,
+                            "max_tokens": args.max_tokens, "max_prompt_tokens": args.max_prompt_tokens,
+                            "split": "held-out calibration prompts (dspark.calibrate.is_calibration_prompt)",
+                            "source_traces": f"results/traces/calibration_{name}.jsonl"})
+        print(f"{name}: STS on {len(trace)} blocks, γ = {trace.gamma}")
+        print(" k     T_k   ECE before  ECE after  AUROC before  AUROC after")
+        for k in range(trace.gamma):
+            print(f"{k + 1:2d} {payload['sts_temperatures'][k]:7.3f}  {100 * payload['ece_before'][k]:9.2f}%"
+                  f"  {100 * payload['ece_after'][k]:8.2f}%  {payload['auroc_before'][k]:12.3f}"
+                  f"  {payload['auroc_after'][k]:11.3f}")
+        plot_reliability(trace, payload["sts_temperatures"], name, results / f"reliability_{name}.png")
+        if folder is not None and not args.no_write:
+            print(f"wrote {write_calibration(folder, payload)}")
+    return 0

@@ -1,0 +1,91 @@
+"""`dspark eval` end to end on the tiny random target, and its trace replays."""
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from dspark import evaluate as ev
+from dspark.calibrate import BlockTrace
+from dspark.cli import main
+from dspark.traces import load_traces
+
+
+def write_prompts(path):
+    lines = [{"prompt": "def add(a, b):\n    return a + b\n\ndef add(a, b):\n"},
+             {"turns": ["The quick brown fox jumps over the lazy dog. The quick brown", "ignored"]}]
+    path.write_text("".join(json.dumps(x) + "\n" for x in lines))
+    return path
+
+
+def untrained_drafter(folder, target_path, head: str, block_size: int = 5):
+    """A random DSpark drafter for the tiny target (the shipped code path, no training)."""
+    from dspark.drafter.dspark_drafter import DSparkConfig, DSparkModel, save_dspark
+    from dspark.target import TargetEngine
+
+    target = TargetEngine.from_pretrained(target_path, capacity=1, max_seq_len=64)
+    cfg = DSparkConfig(vocab_size=target.vocab_size, hidden_size=target.config.hidden_size,
+                       tap_dim=target.tap_dim, num_heads=2, num_kv_heads=1, head_dim=16, intermediate_size=64,
+                       block_size=block_size, gamma=block_size, head=head, head_rank=8,
+                       tap_layers=list(target.tap_layers))
+    torch.manual_seed(0)
+    return save_dspark(DSparkModel(cfg), folder)
+
+
+def test_eval_quick_end_to_end(tiny_ckpt, tmp_path):
+    prompts = write_prompts(tmp_path / "prompts.jsonl")
+    markov = untrained_drafter(tmp_path / "dspark_markov", tiny_ckpt, "markov")
+    dflash = untrained_drafter(tmp_path / "dflash", tiny_ckpt, "none")
+    out = tmp_path / "res" / "offline_eval.json"
+    argv = ["eval", "--quick", "--target", str(tiny_ckpt), "--prompts", str(prompts), "--gammas", "3,5",
+            "--drafters", f"ngram,{markov},{dflash}", "--out", str(out), "--threads", "1"]
+    assert main(argv) == 0
+    res = json.loads(out.read_text())
+    for key in ("tau", "ece", "acceptance_by_position", "ratios", "threshold_sweep", "config"):
+        assert key in res
+    assert set(res["tau"]) == {"ngram", "dspark_markov", "dflash"}
+    for by_gamma in res["tau"].values():
+        assert set(by_gamma) == {"gamma3", "gamma5"}
+        for by_t in by_gamma.values():
+            assert set(by_t) == {"T1", "T0"}
+            for row in by_t.values():
+                assert row["custom"] >= 1.0  # the bonus / corrected token always counts
+    assert len(res["ece"]["dspark_markov"]["before"]) == 5
+    assert set(res["ratios"]["dspark_markov_vs_dflash"]) == {"gamma3", "gamma5"}
+    for name in ("ngram", "dspark_markov", "dflash"):
+        sim = load_traces(out.parent / "traces" / f"{name}.jsonl")  # the simulator reads them
+        assert sim.gamma == 5 and len(sim.accepted) > 0
+        assert (out.parent / "traces" / f"{name}_gamma3_T0.jsonl").is_file()
+    assert (out.parent / "acceptance_by_position.png").is_file()
+    assert (out.parent / "threshold_sweep.png").is_file()
+    # a second run reuses the traces and reproduces the numbers
+    assert main(argv + ["--reuse-traces"]) == 0
+    assert json.loads(out.read_text())["tau"] == res["tau"]
+
+
+def hand_trace() -> BlockTrace:
+    z = np.array([[2.0, 2.0, -2.0], [2.0, -2.0, 2.0], [-2.0, 2.0, 2.0]])
+    return BlockTrace(z, np.array([3, 1, 0]), np.array([3, 3, 3]))
+
+
+def test_threshold_sweep_replays_prefix_rule():
+    rows = ev.threshold_sweep(hand_trace(), None, thresholds=[0.0, 0.5, 0.99])
+    # t=0 verifies everything; t=0.5 stops at the first σ(z)<0.5: ℓ = 2, 1, 0
+    assert rows[0]["verified_per_block"] == 3 and rows[0]["accepted_per_block"] == pytest.approx(4 / 3)
+    assert rows[1]["verified_per_block"] == 1 and rows[1]["accepted_per_block"] == pytest.approx(1)
+    assert rows[1]["acceptance_rate"] == pytest.approx(3 / 3)
+    assert rows[2]["verified_per_block"] == 0 and rows[2]["acceptance_rate"] is None
+    fixed = ev.fixed_sweep(hand_trace())
+    assert [r["verified_per_block"] for r in fixed] == [1, 2, 3]
+    assert fixed[0]["acceptance_rate"] == pytest.approx(2 / 3)
+
+
+def test_noise_floor_shrinks_with_more_blocks():
+    rng = np.random.default_rng(0)
+    z = rng.normal(size=(20_000, 2))
+    trace = lambda n: BlockTrace(z[:n], np.zeros(n, dtype=np.int64), np.full(n, 2))
+    many = ev.ece_noise_floor(trace(20_000), None, draws=3)
+    few = ev.ece_noise_floor(trace(500), None, draws=3)
+    assert all(0 < f < 0.02 for f in many)
+    assert all(f > 2 * m for f, m in zip(few, many))
