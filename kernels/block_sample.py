@@ -21,6 +21,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+
 from dspark.sampling import sampling_probs
 from dspark.verify import sample_inverse_cdf, use_triton
 

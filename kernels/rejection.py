@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+
 from dspark.verify import ZERO_MASS, VerifyResult, rejection_sample_ref
 
 __all__ = ["rejection_sample_triton", "rejection_sample_ref"]

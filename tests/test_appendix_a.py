@@ -8,6 +8,7 @@ import json
 
 import pytest
 import torch
+
 from dspark import appendix_a
 
 SAMPLES = 4000  # z of the 0.15 bias is ≈ 20 at this size; unbiased policies must stay within |z| < 4

@@ -13,6 +13,7 @@ import os
 
 import pytest
 import torch
+
 from dspark.verify import rejection_sample, rejection_sample_ref
 
 

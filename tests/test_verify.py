@@ -10,9 +10,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from scipy.stats import chisquare
+
 from dspark.sampling import SamplingParams, param_tensors, sampling_probs
 from dspark.verify import draw_uniforms, rejection_sample_ref, verify_ragged
-from scipy.stats import chisquare
 
 V = 6
 SAMPLES = 100_000

@@ -8,6 +8,7 @@ import os
 
 import numpy as np
 import triton_python_backend_utils as pb_utils
+
 from dspark import paths
 from dspark.text import encode, load_tokenizer
 
