@@ -77,3 +77,33 @@ class SlotContext:
         lens_t = torch.tensor(lens, device=like.device)
         valid = torch.arange(lmax, device=like.device)[None, :] < lens_t[:, None]
         return out, valid
+
+
+class SlotDrafter:
+    """Runtime scaffolding shared by the trained drafters: the frozen model with the target's
+    embedding / LM head attached, a settable γ (≤ the trained block) and a `SlotContext`."""
+
+    def __init__(self, model, embed_weight: torch.Tensor, lm_head_weight: torch.Tensor,
+                 gamma: int | None = None, sts_temperatures: list[float] | None = None) -> None:
+        self.model = model.eval().requires_grad_(False)
+        self.model.attach_shared(embed_weight, lm_head_weight)
+        self.config = model.config
+        self.block_size = model.config.block_size
+        self._gamma = 0
+        self.gamma = model.config.gamma if gamma is None else gamma
+        self.sts_temperatures = sts_temperatures
+        self.ctx = SlotContext()
+        self.device = next(model.parameters()).device
+
+    @property
+    def gamma(self) -> int:
+        return self._gamma
+
+    @gamma.setter
+    def gamma(self, value: int) -> None:
+        if not 1 <= int(value) <= self.block_size:
+            raise ValueError(f"gamma {value} must be in [1, trained block size {self.block_size}]")
+        self._gamma = int(value)
+
+    def release(self, slot: int) -> None:
+        self.ctx.release(slot)

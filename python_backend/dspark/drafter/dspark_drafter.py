@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from dspark.drafter.context import SlotContext
+from dspark.drafter.context import SlotDrafter
 from dspark.drafter.heads import ConfidenceHead, make_head
 from dspark.interfaces import DraftBlock
 from dspark.model import RMSNorm, apply_rope, rope_cos_sin
@@ -193,32 +193,10 @@ class DSparkModel(nn.Module):
         return sum(p.numel() * p.element_size() for p in self.parameters())
 
 
-class DSparkDrafter:
+class DSparkDrafter(SlotDrafter):
     """`DrafterLike` runtime over a `DSparkModel`: per-slot context K/V, batched propose."""
 
     kind = "dspark"
-
-    def __init__(self, model: DSparkModel, embed_weight: torch.Tensor, lm_head_weight: torch.Tensor,
-                 gamma: int | None = None, sts_temperatures: list[float] | None = None) -> None:
-        self.model = model.eval().requires_grad_(False)
-        self.model.attach_shared(embed_weight, lm_head_weight)
-        self.config = model.config
-        self.block_size = model.config.block_size
-        self._gamma = 0
-        self.gamma = model.config.gamma if gamma is None else gamma
-        self.sts_temperatures = sts_temperatures
-        self.ctx = SlotContext()
-        self.device = next(model.parameters()).device
-
-    @property
-    def gamma(self) -> int:
-        return self._gamma
-
-    @gamma.setter
-    def gamma(self, value: int) -> None:
-        if not 1 <= int(value) <= self.block_size:
-            raise ValueError(f"gamma {value} must be in [1, trained block size {self.block_size}]")
-        self._gamma = int(value)
 
     # --- per-slot context ---
     def start(self, slot: int, prompt: list[int], taps: torch.Tensor) -> None:
@@ -226,9 +204,6 @@ class DSparkDrafter:
             raise ValueError(f"start: {len(prompt)} prompt tokens but {taps.shape[0]} taps rows")
         self.ctx.start(slot)
         self._append(slot, taps)
-
-    def release(self, slot: int) -> None:
-        self.ctx.release(slot)
 
     def extend(self, slots: list[int], tokens: list[torch.Tensor], taps: list[torch.Tensor]) -> None:
         for slot, tok, tp in zip(slots, tokens, taps, strict=True):

@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from dspark.drafter.context import SlotContext
+from dspark.drafter.context import SlotDrafter
 from dspark.drafter.dspark_drafter import draw_tokens, read_calibration, rope_inv_freq_plain, shared_weights
 from dspark.interfaces import DraftBlock
 from dspark.model import RMSNorm, apply_rope, rope_cos_sin
@@ -160,40 +160,17 @@ class EagleModel(nn.Module):
         return self.conf(h).squeeze(-1)
 
 
-class EagleDrafter:
+class EagleDrafter(SlotDrafter):
     """`DrafterLike` runtime: per slot the fused features and tokens of every cached token,
     and the layer's K/V for positions whose next token is known (committed at propose)."""
 
     kind = "eagle"
-
-    def __init__(self, model: EagleModel, embed_weight: torch.Tensor, lm_head_weight: torch.Tensor,
-                 gamma: int | None = None, sts_temperatures: list[float] | None = None) -> None:
-        self.model = model.eval().requires_grad_(False)
-        self.model.attach_shared(embed_weight, lm_head_weight)
-        self.config = model.config
-        self.block_size = model.config.block_size
-        self._gamma = 0
-        self.gamma = model.config.gamma if gamma is None else gamma
-        self.sts_temperatures = sts_temperatures
-        self.ctx = SlotContext()
-        self.device = next(model.parameters()).device
-
-    gamma = property(lambda self: self._gamma)
-
-    @gamma.setter
-    def gamma(self, value: int) -> None:
-        if not 1 <= int(value) <= self.block_size:
-            raise ValueError(f"gamma {value} must be in [1, trained steps {self.block_size}]")
-        self._gamma = int(value)
 
     def start(self, slot: int, prompt: list[int], taps: torch.Tensor) -> None:
         if taps.shape[0] != len(prompt):
             raise ValueError(f"start: {len(prompt)} prompt tokens but {taps.shape[0]} taps rows")
         self.ctx.start(slot)
         self.extend([slot], [torch.tensor(prompt, dtype=torch.int64)], [taps])
-
-    def release(self, slot: int) -> None:
-        self.ctx.release(slot)
 
     @torch.inference_mode()
     def extend(self, slots: list[int], tokens: list[torch.Tensor], taps: list[torch.Tensor]) -> None:
