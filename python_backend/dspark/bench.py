@@ -142,7 +142,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    from dspark import calibrate as cal
+    from dspark.drafter import build_drafter, pad_temperatures, read_temperatures
     from dspark.scheduler import make_policy
     from dspark.sps import SPSTable
     from dspark.target import TargetEngine
@@ -162,10 +162,10 @@ def main(args: argparse.Namespace) -> int:
     target = TargetEngine.from_pretrained(args.target, capacity=max_batch,
                                           max_seq_len=max_seq_len, device=args.device)
     prompts = [target.tokenizer.encode(t).ids[-args.max_prompt_tokens:] or [0] for t in texts]
-    drafter, folder = cal.build_drafter(args.drafter, target, args.gamma)  # ngram[:N], name or folder
+    drafter, folder = build_drafter(args.drafter, target, args.gamma)  # ngram[:N], name or folder
     gamma = drafter.gamma
     policy = lambda: make_policy(args.policy, sps=sps, gamma=gamma, max_batch_tokens=4096)
-    sts = cal.pad_temperatures(cal.read_temperatures(folder), gamma)
+    sts = pad_temperatures(read_temperatures(folder), gamma)
     runs: dict[str, dict] = {}
     rep, mt = args.repeats, args.max_tokens
     runs["batch1_plain"] = best_of(rep, run_engine, target, None, None, prompts, 1, mt)

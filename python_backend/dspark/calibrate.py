@@ -21,6 +21,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from dspark.drafter import build_drafter, pad_temperatures, read_temperatures  # noqa: F401 (re-exported)
 from dspark.metrics import ECE_BINS, auroc, ece, reliability, sigmoid, survival
 from dspark.sampling import SamplingParams
 
@@ -171,16 +172,6 @@ def write_calibration(drafter_dir: Path, payload: dict) -> Path:
     return path
 
 
-def read_temperatures(drafter_dir: str | Path | None) -> list[float] | None:
-    """STS temperatures stored with a drafter folder, None when it has none."""
-    if drafter_dir is None:
-        return None
-    path = Path(drafter_dir) / CALIBRATION_FILE
-    if not path.is_file():
-        return None
-    return [float(t) for t in json.loads(path.read_text())["sts_temperatures"]]
-
-
 # ---- recording traces on the real speculative loop ----
 
 class RecordingDrafter:
@@ -240,34 +231,6 @@ def run_requests(engine, recorder: RecordingDrafter, prompts: list[list[int]], m
 
 
 # ---- drafters, prompts and trace files shared with `dspark eval` ----
-
-def build_drafter(spec: str, target, gamma: int):
-    """-> (drafter drafting γ tokens, or its trained block size if smaller; its folder or
-    None). `spec`: "ngram[:N]", a folder name under build/demo/drafters, or a folder path."""
-    from dspark.drafter import load_drafter
-    from dspark.paths import DEMO_DRAFTERS
-
-    folder = None
-    if not spec.startswith("ngram"):
-        folder = Path(spec) if Path(spec).is_dir() else DEMO_DRAFTERS / spec
-        if not folder.is_dir():
-            raise FileNotFoundError(f"no drafter folder {spec!r} (nor {folder})")
-        spec = str(folder)
-    try:
-        return load_drafter(spec, target, gamma=gamma), folder
-    except ValueError:  # trained block shorter than γ: its own largest γ
-        config = json.loads((folder / "config.json").read_text()) if folder else {}
-        size = int(config.get("block_size", config.get("gamma", gamma)))
-        if folder is None or size >= gamma:
-            raise
-        return load_drafter(spec, target, gamma=size), folder
-
-
-def pad_temperatures(temps: list[float] | None, gamma: int) -> list[float]:
-    """STS temperatures for γ positions: stored ones, then 1 (uncalibrated) for the rest."""
-    temps = list(temps or [])[:gamma]
-    return temps + [1.0] * (gamma - len(temps))
-
 
 def encode_prompt(target, text: str, max_prompt_tokens: int) -> list[int]:
     """Token ids of a prompt, keeping its last `max_prompt_tokens` (the CPU budget)."""

@@ -47,7 +47,7 @@ def _sps(spec: str | None) -> SPSTable:
 
 
 def main(args: argparse.Namespace) -> int:
-    from dspark.calibrate import build_drafter, pad_temperatures, read_temperatures
+    from dspark.drafter import build_drafter, pad_temperatures, read_temperatures
 
     folder = Path(args.model)
     if not (folder / "config.json").is_file():

@@ -27,7 +27,7 @@ import torch
 import triton_python_backend_utils as pb_utils
 
 from dspark import paths
-from dspark.calibrate import build_drafter, pad_temperatures, read_temperatures
+from dspark.drafter import build_drafter, pad_temperatures, read_temperatures
 from dspark.engine import SpecEngine
 from dspark.sampling import SamplingParams
 from dspark.sps import SPSTable

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from dspark.drafter.dspark_drafter import read_calibration
 from dspark.drafter.ngram import NGramDrafter
 
 
@@ -36,4 +37,37 @@ def load_drafter_folder(folder: str | Path, target, gamma: int | None = None):
     raise ValueError(f"{folder}/config.json: unknown drafter kind {kind!r} (dspark | eagle | draft_lm)")
 
 
-__all__ = ["NGramDrafter", "load_drafter", "load_drafter_folder"]
+def build_drafter(spec: str, target, gamma: int):
+    """-> (drafter drafting γ tokens, or its trained block size if smaller; its folder or
+    None). `spec`: "ngram[:N]", a folder name under build/demo/drafters, or a folder path."""
+    from dspark.paths import DEMO_DRAFTERS
+
+    folder = None
+    if not spec.startswith("ngram"):
+        folder = Path(spec) if Path(spec).is_dir() else DEMO_DRAFTERS / spec
+        if not folder.is_dir():
+            raise FileNotFoundError(f"no drafter folder {spec!r} (nor {folder})")
+        spec = str(folder)
+    try:
+        return load_drafter(spec, target, gamma=gamma), folder
+    except ValueError:  # trained block shorter than γ: its own largest γ
+        config = json.loads((folder / "config.json").read_text()) if folder else {}
+        size = int(config.get("block_size", config.get("gamma", gamma)))
+        if folder is None or size >= gamma:
+            raise
+        return load_drafter(spec, target, gamma=size), folder
+
+
+def read_temperatures(drafter_dir: str | Path | None) -> list[float] | None:
+    """STS temperatures stored with a drafter folder (calibration.json), None when it has none."""
+    return None if drafter_dir is None else read_calibration(drafter_dir)
+
+
+def pad_temperatures(temps: list[float] | None, gamma: int) -> list[float]:
+    """STS temperatures for γ positions: stored ones, then 1 (uncalibrated) for the rest."""
+    temps = list(temps or [])[:gamma]
+    return temps + [1.0] * (gamma - len(temps))
+
+
+__all__ = ["NGramDrafter", "build_drafter", "load_drafter", "load_drafter_folder", "pad_temperatures",
+           "read_temperatures"]
