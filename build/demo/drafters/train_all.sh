@@ -6,14 +6,14 @@ set -euo pipefail
 cd "$(dirname "$0")/../../.."
 DSPARK=.venv/bin/dspark
 STEPS=${STEPS:-64}
-N_PER_DOMAIN=${N_PER_DOMAIN:-40}
-THREADS=${THREADS:-1}
+N_PER_DOMAIN=${N_PER_DOMAIN:-150}
+THREADS=${THREADS:-2}
 run() { echo "== $(date -u +%T) $*"; nice -n 5 "$@"; }
 BUDGET="--steps $STEPS --batch 8 --anchors 8 --block-size 15 --gamma 7 --lr 3e-3 --warmup 10 --threads $THREADS"
 
 if [ ! -f build/demo/work/drafter_data/features.pt ]; then
   run $DSPARK train --make-data --n-per-domain "$N_PER_DOMAIN" --max-new 128 --min-prompt 16 \
-    --max-prompt 64 --gen-batch 60 --threads "$THREADS"
+    --max-prompt 64 --gen-batch 75 --threads "$THREADS"
 fi
 run $DSPARK train --kind dspark --head markov --name dspark-markov $BUDGET
 run $DSPARK train --kind dspark --head none --name dflash $BUDGET
