@@ -32,8 +32,20 @@ from dspark.model import RMSNorm, apply_rope, rope_cos_sin
 from dspark.sampling import SamplingParams, param_tensors, sample, sampling_probs
 
 
+class JsonConfig:
+    """config.json round trip for drafter config dataclasses; unknown keys are ignored."""
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, d: dict):
+        names = {f.name for f in fields(cls)}
+        return cls(**{k: v for k, v in d.items() if k in names})
+
+
 @dataclass
-class DSparkConfig:
+class DSparkConfig(JsonConfig):
     vocab_size: int
     hidden_size: int  # = the target's (shared embedding / LM head)
     tap_dim: int  # n_taps * target hidden
@@ -50,14 +62,6 @@ class DSparkConfig:
     head_rank: int = 64
     tap_layers: list[int] | None = None  # the target layers the taps come from (checked at load)
     kind: str = "dspark"
-
-    def to_json(self) -> dict:
-        return asdict(self)
-
-    @classmethod
-    def from_json(cls, d: dict) -> DSparkConfig:
-        names = {f.name for f in fields(cls)}
-        return cls(**{k: v for k, v in d.items() if k in names})
 
 
 def rope_inv_freq_plain(head_dim: int, theta: float) -> torch.Tensor:

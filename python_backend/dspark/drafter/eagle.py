@@ -11,7 +11,7 @@ steps 2..s, exactly as at inference. Confidence: z_s = wᵀh_s + b (h_s depends 
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, fields
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -20,14 +20,20 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from dspark.drafter.context import SlotDrafter
-from dspark.drafter.dspark_drafter import draw_tokens, read_calibration, rope_inv_freq_plain, shared_weights
+from dspark.drafter.dspark_drafter import (
+    JsonConfig,
+    draw_tokens,
+    read_calibration,
+    rope_inv_freq_plain,
+    shared_weights,
+)
 from dspark.interfaces import DraftBlock
 from dspark.model import RMSNorm, apply_rope, rope_cos_sin
 from dspark.sampling import SamplingParams, param_tensors, sampling_probs
 
 
 @dataclass
-class EagleConfig:
+class EagleConfig(JsonConfig):
     vocab_size: int
     hidden_size: int
     tap_dim: int
@@ -41,14 +47,6 @@ class EagleConfig:
     gamma: int = 7
     tap_layers: list[int] | None = None
     kind: str = "eagle"
-
-    def to_json(self) -> dict:
-        return asdict(self)
-
-    @classmethod
-    def from_json(cls, d: dict) -> EagleConfig:
-        names = {f.name for f in fields(cls)}
-        return cls(**{k: v for k, v in d.items() if k in names})
 
 
 class EagleModel(nn.Module):
