@@ -124,7 +124,7 @@ def test_dspark_budget_follows_t_minus_2_snapshot_only():
     low = torch.full((num_requests, gamma), 0.2).cumprod(1)
 
     def budget(t2, t1, now) -> int:
-        policy = make_policy("dspark", sps=sps, gamma=gamma)
+        policy = make_policy("dspark:delayed", sps=sps, gamma=gamma)
         policy.decide(t2, rem)
         policy.decide(t1, rem)
         policy.decide(now, rem)
@@ -138,7 +138,7 @@ def test_dspark_budget_follows_t_minus_2_snapshot_only():
         now = (torch.rand(num_requests, gamma, generator=gen)).cumprod(1)
         assert budget(high, low, now) == base
     # different R now than in the snapshot: the snapshot is resampled, budget scales with R
-    policy = make_policy("dspark", sps=sps, gamma=gamma)
+    policy = make_policy("dspark:delayed", sps=sps, gamma=gamma)
     policy.decide(high[:32], rem[:32])
     policy.decide(high[:32], rem[:32])
     policy.decide(low, rem)
@@ -176,7 +176,7 @@ def count_anticipation_violations(spec: str, trials: int, seed: int = 0) -> int:
     return violations
 
 
-@pytest.mark.parametrize("spec", ["dspark", "dspark-theory", "threshold:0.6", "fixed:2"])
+@pytest.mark.parametrize("spec", ["dspark", "dspark:delayed", "dspark-theory", "threshold:0.6", "fixed:2"])
 def test_non_anticipation_property(spec):
     assert count_anticipation_violations(spec, trials=200) == 0
 
@@ -199,7 +199,7 @@ def test_appendix_a_example_retrospective_admits_only_when_future_is_confident()
 
 
 def test_empty_batch_and_reset():
-    policy = make_policy("dspark", sps=SPSTable.gpu_shaped())
+    policy = make_policy("dspark:delayed", sps=SPSTable.gpu_shaped())
     assert policy.decide(torch.zeros(0, 7), torch.zeros(0, dtype=torch.int64)).numel() == 0
     policy.decide(torch.ones(2, 7), torch.tensor([100, 100]))
     policy.reset()
@@ -208,6 +208,8 @@ def test_empty_batch_and_reset():
 
 
 def test_unknown_spec_and_missing_sps():
+    with pytest.raises(ValueError, match="dspark variant"):
+        make_policy("dspark:bogus", sps=SPSTable.gpu_shaped())
     with pytest.raises(ValueError):
         make_policy("fastest")
     with pytest.raises(ValueError):
@@ -224,7 +226,7 @@ def test_dspark_budget_is_the_largest_global_argmax():
         snapshot = (torch.rand(num_requests, gamma, generator=gen) ** 0.5).cumprod(1)
         snapshot[0, -1] = 0.0  # exact ties in Θ: the largest K wins
         rem = torch.full((num_requests,), 100)
-        policy = make_policy("dspark", sps=sps, gamma=gamma, max_batch_tokens=10_000)
+        policy = make_policy("dspark:delayed", sps=sps, gamma=gamma, max_batch_tokens=10_000)
         policy.decide(snapshot, rem)
         policy.decide(torch.rand(num_requests, gamma, generator=gen), rem)
         policy.decide(torch.rand(num_requests, gamma, generator=gen), rem)
@@ -233,3 +235,48 @@ def test_dspark_budget_is_the_largest_global_argmax():
         best = max(theta)
         want = max(k for k, t in enumerate(theta) if t >= best * (1 - 1e-12))
         assert policy.last_budget == want, trial
+
+
+def test_dspark_budget_is_delayed_budget_floored_by_the_walk():
+    """dspark's K = max(K_t from the t−2 snapshot, Algorithm 1's walk on current survivals)."""
+    gen = torch.Generator().manual_seed(11)
+    gamma = 6
+    raised = 0
+    for trial in range(80):
+        num_requests = int(torch.randint(1, 40, (1,), generator=gen))
+        sps = random_jagged_sps(gen, num_requests * (gamma + 1))
+        rem = torch.randint(1, 3 * gamma, (num_requests,), generator=gen)
+        steps = [(torch.rand(num_requests, gamma, generator=gen) ** 0.4).cumprod(1) for _ in range(3)]
+        policies = {spec: make_policy(spec, sps=sps, gamma=gamma, max_batch_tokens=10_000)
+                    for spec in ("dspark", "dspark:delayed", "dspark-theory")}
+        budgets = {}
+        for spec, policy in policies.items():
+            for i, survival in enumerate(steps):
+                out = policy.decide(survival, rem)
+                if spec == "dspark-theory" and i < 2:
+                    continue
+            budgets[spec] = policy.last_budget
+        want = max(budgets["dspark:delayed"], budgets["dspark-theory"])
+        assert budgets["dspark"] == want, trial
+        assert int(out.sum()) == budgets["dspark-theory"]
+        raised += budgets["dspark"] > budgets["dspark:delayed"]
+    assert raised > 0  # the floor is exercised
+
+
+def test_walk_on_partial_sorts_matches_full_walk():
+    """Algorithm 1's incremental walk (top-m sorts, m growing) equals the walk on a full sort."""
+    gen = torch.Generator().manual_seed(5)
+    flat = SPSTable([1, 4096], [100.0, 99.99])  # near-flat: the walk goes far (several m rounds)
+    for trial in range(20):
+        num_requests = int(torch.randint(20, 200, (1,), generator=gen))
+        a = (torch.rand(num_requests, 8, generator=gen) ** 0.2).cumprod(1)
+        a[a < 0.05] = 0.0
+        rem = torch.full((num_requests,), 100)
+        policy = make_policy("dspark-theory", sps=flat, gamma=8)
+        policy.decide(a, rem)
+        values = sorted(a.reshape(-1).tolist(), reverse=True)
+        theta = [(num_requests + sum(values[:k])) * flat(num_requests + k) for k in range(len(values) + 1)]
+        k = 0
+        while k < len(values) and theta[k + 1] > theta[k]:
+            k += 1
+        assert policy.last_budget == k, trial

@@ -12,8 +12,10 @@ Policies (`make_policy(spec)`):
   dspark-theory (Algorithm 1: walk the ranking while Θ = (R + Σ admitted a)·SPS(R + K)
       strictly improves, stop at the first non-improvement),
   dspark (production: budget K_t = argmax_K (R + Σ top-K a)·SPS(R + K) on the survival
-      snapshot of step t−2, no early stop so jagged SPS cliffs are crossed; then admit
-      the global top-K_t candidates by CURRENT survival).
+      snapshot of step t−2, no early stop so jagged SPS cliffs are crossed; K = max(K_t,
+      Algorithm 1's walk on the current survivals); admit the global top-K candidates by
+      CURRENT survival. The walk floor matters at low concurrency on a steep SPS, where
+      one request's t−2 snapshot is a noisy guess; `dspark:delayed` is K = K_t alone).
   retrospective (NOT a production policy: the negative control of the Appendix A harness
       and tests; dspark's global argmax evaluated on the CURRENT survivals).
 Caps for all: ℓ_r ≤ γ, ℓ_r ≤ remaining_r − 1 (the corrected/bonus token is always
@@ -36,7 +38,8 @@ d_{r,j}). Conclusion for each policy:
   ranked below (non-increasing a, ties by j), so the rank of (r, j) and the SET of
   candidates above it never depend on a[r,>j].
 - dspark: K_t comes from step t−2 (independent of this step's tokens), and (r, j) is
-  admitted iff rank(r, j) < K_t: non-anticipating.
+  admitted iff rank(r, j) < K_t or the walk reached it (see dspark-theory below):
+  non-anticipating.
 - dspark-theory: (r, j) at rank p is admitted iff Θ improved at every rank ≤ p. Θ at rank
   i uses only the top-i values, all ranked above (r, j) or (r, j) itself, so the early
   stop decision for (r, j) is a function of candidates that do not include a[r,>j]:
@@ -75,15 +78,13 @@ def sts_survival(conf_logits: torch.Tensor, temperatures: torch.Tensor) -> torch
     return torch.cumprod(torch.sigmoid(conf_logits / temps), dim=-1)
 
 
-_ONE_BITS = 0x3F800000  # IEEE-754 bits of 1.0f: for x in [0, 1], bits(x) is monotone in x
-_INELIGIBLE = 1 << 30  # rank key for capped-out candidates: after every admissible one
-
-
 class Policy:
     """Base: caps, ranking, history and the batch-token cap. Subclasses pick the admitted set.
 
-    The hot path is numpy on the CPU (per-op overhead ~1 µs vs ~4 µs for small torch ops);
-    inputs and outputs are torch tensors."""
+    The hot path is numpy on the CPU (per-op overhead ~1 µs vs ~4 µs for small torch ops) on
+    a γ-major copy a[j, r] of the survivals: its flat order (j, then r) IS the ranking's
+    tie order, so "top K of the ranking" is a value threshold plus, for exact ties at the
+    threshold, the first few tied entries in flat order. Inputs and outputs are torch tensors."""
 
     name = "policy"
     uses_ranking_budget = False  # True: admit the first K of the ranking (K from _budget)
@@ -99,36 +100,21 @@ class Policy:
             self._sps_by_b = sps.lookup(torch.arange(self.max_batch_tokens + 1)).numpy()
             self._buckets = np.asarray(sps.batch_tokens, dtype=np.int64)
         self._snapshots: deque[np.ndarray] = deque(maxlen=2)  # admissible survivals of t−2, t−1
-        self._tiebreak: dict[tuple[int, int], np.ndarray] = {}
+        self._j = np.arange(self.gamma)[:, None]  # [γ, 1] draft position of each row of a
         self.last_budget = 0
 
     def reset(self) -> None:
         self._snapshots.clear()
         self.last_budget = 0
 
-    # -- subclass hooks ---------------------------------------------------------------------
+    # -- subclass hooks (a, eligible, masked are γ-major [γ, R]) -------------------------------
     def _admit_mask(self, a: np.ndarray, eligible: np.ndarray) -> np.ndarray:
-        """Per-request rule -> bool [R, γ] prefix-closed (fixed / threshold)."""
+        """Per-request rule -> bool [γ, R], prefix-closed along j (fixed / threshold)."""
         raise NotImplementedError
 
-    def _budget(self, keys: np.ndarray, num_requests: int, room: int) -> int:
+    def _budget(self, masked: np.ndarray, num_requests: int, room: int) -> int:
         """Ranking rule -> K (how many of the ranked candidates to admit)."""
         raise NotImplementedError
-
-    # -- ranking ------------------------------------------------------------------------------
-    def _rank_keys(self, a: np.ndarray, eligible: np.ndarray) -> np.ndarray:
-        """Unique int64 keys [R, γ]; ascending key = ranking order: a desc, then j, then r.
-
-        key = (bits(1) − bits(a)) << 32 | j << 16 | r; capped-out candidates get _INELIGIBLE.
-        Unique keys let an unstable sort / partition reproduce the tie-broken order exactly."""
-        num_requests, gamma = a.shape
-        tiebreak = self._tiebreak.get((num_requests, gamma))
-        if tiebreak is None:
-            rows = np.arange(num_requests, dtype=np.int64)[:, None]
-            tiebreak = np.arange(gamma, dtype=np.int64) << 16 | rows
-            self._tiebreak = {(num_requests, gamma): tiebreak}
-        inv = np.where(eligible, _ONE_BITS - a.view(np.int32).astype(np.int64), _INELIGIBLE)
-        return inv << 32 | tiebreak
 
     # -- the step -----------------------------------------------------------------------------
     def decide(self, survival: torch.Tensor, remaining: torch.Tensor) -> torch.Tensor:
@@ -138,46 +124,62 @@ class Policy:
         if num_requests == 0 or gamma == 0:
             self.last_budget = 0
             return torch.zeros(num_requests, dtype=torch.int64)
-        a = survival[:, :gamma].detach().cpu().numpy().astype(np.float32)  # a private copy
+        # a private γ-major copy: a[j, r]
+        a = survival[:, :gamma].detach().cpu().numpy().T.astype(np.float32, order="C")
         np.clip(a, 0.0, 1.0, out=a)
-        np.minimum.accumulate(a, axis=1, out=a)  # enforce non-increasing in j
-        a += np.float32(0.0)  # -0.0 -> +0.0 (its bits would rank it after capped-out candidates)
-        cap = np.clip(remaining.detach().cpu().numpy().astype(np.int64) - 1, 0, gamma)  # ℓ ≤ γ, rem−1
-        eligible = np.arange(gamma) < cap[:, None]
+        np.minimum.accumulate(a, axis=0, out=a)  # enforce non-increasing in j
+        cap = np.clip(remaining.detach().cpu().numpy() - 1, 0, gamma)  # ℓ ≤ γ, ℓ ≤ remaining − 1
+        eligible = self._j[:gamma] < cap  # [γ, R]
         room = max(min(self.max_batch_tokens - num_requests, int(cap.sum())), 0)  # B ≤ max tokens
         if self.uses_ranking_budget:
-            keys = self._rank_keys(a, eligible)
-            k = min(max(self._budget(keys, num_requests, room), 0), room) if room > 0 else 0
+            masked = np.where(eligible, a, np.float32(-1.0))  # capped-out rank after every eligible
+            k = min(max(self._budget(masked, num_requests, room), 0), room) if room > 0 else 0
             self.last_budget = k
-            lengths = self._admit_top(keys, k).sum(1)
+            lengths = self._top_k_lengths(masked, k)
+            self._snapshots.append(np.maximum(masked, np.float32(0.0)))
         else:
             mask = self._admit_mask(a, eligible) & eligible
-            lengths = mask.sum(1)
+            lengths = mask.sum(0)
             if int(lengths.sum()) > room:  # batch-token cap: keep the best-ranked admitted ones
-                lengths = self._admit_top(self._rank_keys(a, mask), room).sum(1)
+                lengths = self._top_k_lengths(np.where(mask, a, np.float32(-1.0)), room)
             self.last_budget = int(lengths.sum())
-        self._snapshots.append(np.where(eligible, a, np.float32(0.0)))
+            self._snapshots.append(np.where(eligible, a, np.float32(0.0)))
         return torch.from_numpy(lengths.astype(np.int64))
 
     @staticmethod
-    def _admit_top(keys: np.ndarray, k: int) -> np.ndarray:
-        """bool like keys: the k smallest keys (unique keys, so exactly k)."""
+    def _top_k_lengths(masked: np.ndarray, k: int) -> np.ndarray:
+        """ℓ [R] admitting the first k of the ranking (value desc, then j, then r) of masked
+        [γ, R]; k ≤ the number of entries ≥ 0. Entries above the k-th value are in; ties AT
+        it go in flat (j-major) order, so (r, j) always precedes (r, j+1): prefix-closed."""
+        num_requests = masked.shape[1]
         if k <= 0:
-            return np.zeros(keys.shape, dtype=bool)
-        kth = np.partition(keys.reshape(-1), k - 1)[k - 1]
-        return keys <= kth
+            return np.zeros(num_requests, dtype=np.int64)
+        flat = masked.reshape(-1)
+        kth = np.partition(flat, flat.size - k)[flat.size - k]  # the k-th largest value
+        lengths = np.count_nonzero(masked > kth, axis=0)
+        need = k - int(lengths.sum())
+        tied = np.flatnonzero(flat == kth)[:need]  # need ≥ 1: kth itself is tied with itself
+        return lengths + np.bincount(tied % num_requests, minlength=num_requests)
 
     # -- helpers for budget policies ---------------------------------------------------------------
     @staticmethod
-    def _sorted_from_keys(keys: np.ndarray) -> np.ndarray:
-        """Descending survivals (capped-out as 0) decoded from rank keys."""
-        bits = np.clip(_ONE_BITS - (np.sort(keys.reshape(-1)) >> 32), 0, None).astype(np.int32)
-        return bits.view(np.float32)
+    def _sorted_desc(values: np.ndarray) -> np.ndarray:
+        """Descending values, capped-out (negative) ones as 0 at the end."""
+        return np.maximum(np.sort(values.reshape(-1))[::-1], np.float32(0.0))
 
-    @staticmethod
-    def _sorted_from_survival(survival: np.ndarray) -> np.ndarray:
-        """Descending values of a non-negative f32 matrix (int order of the bits = float order)."""
-        return np.sort(survival.reshape(-1).view(np.int32))[::-1].view(np.float32)
+    def _walk(self, masked: np.ndarray, num_requests: int, room: int) -> int:
+        """Algorithm 1 on the CURRENT survivals: the number of leading ranks at which Θ strictly
+        improves. Non-anticipating: the walk's verdict at rank p reads only ranks ≤ p. Sorts
+        only the top m values (m ×4 while the walk has not stopped): walks usually stop early."""
+        flat = masked.reshape(-1)
+        m = min(room, 64)
+        while True:
+            top = np.sort(np.partition(flat, flat.size - m)[flat.size - m:])[::-1] if m else flat[:0]
+            theta = self._theta(np.maximum(top, np.float32(0.0)), num_requests, m)
+            k = int(np.logical_and.accumulate(theta[1:] > theta[:-1]).sum())
+            if k < m or m == room:
+                return k
+            m = min(room, 4 * m)
 
     def _theta(self, ranked: np.ndarray, num_requests: int, room: int) -> np.ndarray:
         """Θ(K) = (R + Σ_{i<K} ranked_i) · SPS(R + K) for K = 0..room (f64)."""
@@ -202,7 +204,7 @@ class Fixed(Policy):
         self.name = f"fixed:{self.k}"
 
     def _admit_mask(self, a, eligible):
-        return np.broadcast_to(np.arange(a.shape[1]) < self.k, eligible.shape)
+        return np.broadcast_to(self._j[:a.shape[0]] < self.k, eligible.shape)
 
 
 class Threshold(Policy):
@@ -212,9 +214,9 @@ class Threshold(Policy):
         self.name = f"threshold:{self.t:g}"
 
     def _admit_mask(self, a, eligible):
-        prev = np.concatenate([np.ones_like(a[:, :1]), a[:, :-1]], axis=1)
+        prev = np.concatenate([np.ones_like(a[:1]), a[:-1]], axis=0)
         conf = a / np.maximum(prev, np.float32(1e-30))  # ĉ_j = a_j / a_{j-1} (0 once a hits 0)
-        return np.logical_and.accumulate(conf >= self.t, axis=1)
+        return np.logical_and.accumulate(conf >= self.t, axis=0)
 
 
 class DSparkTheory(Policy):
@@ -223,26 +225,44 @@ class DSparkTheory(Policy):
     name = "dspark-theory"
     uses_ranking_budget = True
 
-    def _budget(self, keys, num_requests, room):
-        theta = self._theta(self._sorted_from_keys(keys), num_requests, room)
-        improves = theta[1:] > theta[:-1]
-        return int(np.logical_and.accumulate(improves).sum())
+    def _budget(self, masked, num_requests, room):
+        return self._walk(masked, num_requests, room)
 
 
 class DSpark(Policy):
-    """Production: budget from the step t−2 snapshot (no early stop), top-K_t by current survival."""
+    """Production: K = max(K_t, walk). K_t is the budget from the step t−2 snapshot (argmax, no
+    early stop, so SPS cliffs are crossed); walk is Algorithm 1's early-stop length on the
+    current survivals, a floor that restores per-block adaptivity when one request's t−2
+    snapshot is a noisy guess (low concurrency on a steep SPS). Admit the top K by current
+    survival. `dspark:delayed` drops the floor (DESIGN §7 verbatim, for ablations).
+
+    Non-anticipation: (r, j) at rank p is admitted iff p < K_t (independent of this step) or
+    Θ improved at every rank ≤ p (reads ranks ≤ p only, never a[r,>j])."""
 
     name = "dspark"
     uses_ranking_budget = True
 
-    def _budget(self, keys, num_requests, room):
+    def __init__(self, floor: bool = True, **kw):
+        super().__init__(**kw)
+        self.floor = floor
+        if not floor:
+            self.name = "dspark:delayed"
+
+    def _budget(self, masked, num_requests, room):
+        k = self._delayed_budget(masked, num_requests, room)
+        if self.floor and k < room:
+            k = max(k, self._walk(masked, num_requests, room))
+        return k
+
+    def _delayed_budget(self, masked: np.ndarray, num_requests: int, room: int) -> int:
+        """K_t = the largest argmax of Θ over K on the t−2 snapshot."""
         if not self._snapshots:
             return num_requests  # no history yet: an MTP-1-sized budget
         snapshot = self._snapshots[0]  # t−2 when two exist, else t−1
-        if snapshot.size == keys.size and num_requests + room <= self._buckets[-1]:
+        if snapshot.size == masked.size and num_requests + room <= self._buckets[-1]:
             return self._budget_at_bucket_tops(snapshot.reshape(-1), num_requests, room)
-        snapshot = self._sorted_from_survival(snapshot)
-        n = keys.size
+        snapshot = self._sorted_desc(snapshot)
+        n = masked.size
         if snapshot.size != n:  # R changed: quantile-resample the sorted snapshot to R·γ values
             snapshot = snapshot[np.arange(n) * snapshot.size // n]
         theta = self._theta(snapshot, num_requests, room)
@@ -269,13 +289,14 @@ class Retrospective(Policy):
     name = "retrospective"
     uses_ranking_budget = True
 
-    def _budget(self, keys, num_requests, room):
-        return int(np.argmax(self._theta(self._sorted_from_keys(keys), num_requests, room)))
+    def _budget(self, masked, num_requests, room):
+        return int(np.argmax(self._theta(self._sorted_desc(masked), num_requests, room)))
 
 
 def make_policy(spec: str, sps: SPSTable | None = None, gamma: int = 7,
                 max_batch_tokens: int = 4096) -> Policy:
     """'none' | 'fixed:k' | 'mtp1' | 'threshold[:t]' (default t=0.5) | 'dspark-theory' | 'dspark'
+    | 'dspark:delayed'
     (| 'retrospective', a deliberately non-lossless control for tests and the Appendix A harness)."""
     kw = dict(sps=sps, gamma=gamma, max_batch_tokens=max_batch_tokens)
     name, _, arg = spec.strip().partition(":")
@@ -292,7 +313,11 @@ def make_policy(spec: str, sps: SPSTable | None = None, gamma: int = 7,
     if name in ("dspark-theory", "dspark", "retrospective"):
         if sps is None:
             raise ValueError(f"policy {name!r} needs an SPS table (dspark.sps.SPSTable)")
-        return {"dspark-theory": DSparkTheory, "dspark": DSpark, "retrospective": Retrospective}[name](**kw)
+        if name == "dspark" and arg not in ("", "delayed"):
+            raise ValueError(f"unknown dspark variant {spec!r} (use 'dspark' or 'dspark:delayed')")
+        if name == "dspark":
+            return DSpark(floor=arg != "delayed", **kw)
+        return {"dspark-theory": DSparkTheory, "retrospective": Retrospective}[name](**kw)
     raise ValueError(f"unknown policy spec {spec!r}")
 
 
