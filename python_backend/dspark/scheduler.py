@@ -69,6 +69,7 @@ from collections import deque
 import numpy as np
 import torch
 
+from dspark import ranking
 from dspark.sps import SPSTable
 
 
@@ -81,10 +82,8 @@ def sts_survival(conf_logits: torch.Tensor, temperatures: torch.Tensor) -> torch
 class Policy:
     """Base: caps, ranking, history and the batch-token cap. Subclasses pick the admitted set.
 
-    The hot path is numpy on the CPU (per-op overhead ~1 µs vs ~4 µs for small torch ops) on
-    a γ-major copy a[j, r] of the survivals: its flat order (j, then r) IS the ranking's
-    tie order, so "top K of the ranking" is a value threshold plus, for exact ties at the
-    threshold, the first few tied entries in flat order. Inputs and outputs are torch tensors."""
+    The hot path runs the compiled kernels of `dspark.ranking` on a γ-major copy a[j, r] of
+    the survivals; inputs and outputs are torch tensors."""
 
     name = "policy"
     uses_ranking_budget = False  # True: admit the first K of the ranking (K from _budget)
@@ -93,26 +92,26 @@ class Policy:
         self.sps = sps
         self.gamma = int(gamma)
         self.max_batch_tokens = int(max_batch_tokens)
-        # SPS at every B in [0, max_batch_tokens] so the hot path is a slice, not a search.
+        # SPS at every B in [0, max_batch_tokens] so the hot path is a lookup, not a search.
         self._sps_by_b = None
         self._buckets = np.zeros(0, dtype=np.int64)
         if sps is not None:
-            self._sps_by_b = sps.lookup(torch.arange(self.max_batch_tokens + 1)).numpy()
+            self._sps_by_b = sps.lookup(torch.arange(self.max_batch_tokens + 1)).numpy().astype(np.float64)
             self._buckets = np.asarray(sps.batch_tokens, dtype=np.int64)
         self._snapshots: deque[np.ndarray] = deque(maxlen=2)  # admissible survivals of t−2, t−1
-        self._j = np.arange(self.gamma)[:, None]  # [γ, 1] draft position of each row of a
         self.last_budget = 0
+        ranking.warm_up()
 
     def reset(self) -> None:
         self._snapshots.clear()
         self.last_budget = 0
 
-    # -- subclass hooks (a, eligible, masked are γ-major [γ, R]) -------------------------------
-    def _admit_mask(self, a: np.ndarray, eligible: np.ndarray) -> np.ndarray:
-        """Per-request rule -> bool [γ, R], prefix-closed along j (fixed / threshold)."""
+    # -- subclass hooks (a is γ-major [γ, R], cap [R]) -----------------------------------------
+    def _admit_lengths(self, a: np.ndarray, cap: np.ndarray) -> np.ndarray:
+        """Per-request rule -> ℓ [R] ≤ cap (fixed / threshold)."""
         raise NotImplementedError
 
-    def _budget(self, masked: np.ndarray, num_requests: int, room: int) -> int:
+    def _budget(self, a: np.ndarray, cap: np.ndarray, room: int) -> int:
         """Ranking rule -> K (how many of the ranked candidates to admit)."""
         raise NotImplementedError
 
@@ -124,67 +123,36 @@ class Policy:
         if num_requests == 0 or gamma == 0:
             self.last_budget = 0
             return torch.zeros(num_requests, dtype=torch.int64)
-        # a private γ-major copy: a[j, r]
-        a = survival[:, :gamma].detach().cpu().numpy().T.astype(np.float32, order="C")
-        np.clip(a, 0.0, 1.0, out=a)
-        np.minimum.accumulate(a, axis=0, out=a)  # enforce non-increasing in j
-        cap = np.clip(remaining.detach().cpu().numpy() - 1, 0, gamma)  # ℓ ≤ γ, ℓ ≤ remaining − 1
-        eligible = self._j[:gamma] < cap  # [γ, R]
+        a, cap = ranking.prepare(np.ascontiguousarray(survival.detach().cpu().numpy(), dtype=np.float32),
+                                 np.ascontiguousarray(remaining.detach().cpu().numpy(), dtype=np.int64),
+                                 gamma)
         room = max(min(self.max_batch_tokens - num_requests, int(cap.sum())), 0)  # B ≤ max tokens
         if self.uses_ranking_budget:
-            masked = np.where(eligible, a, np.float32(-1.0))  # capped-out rank after every eligible
-            k = min(max(self._budget(masked, num_requests, room), 0), room) if room > 0 else 0
-            self.last_budget = k
-            lengths = self._top_k_lengths(masked, k)
-            self._snapshots.append(np.maximum(masked, np.float32(0.0)))
+            k = min(max(self._budget(a, cap, room), 0), room) if room > 0 else 0
+            lengths = ranking.top_k_lengths(a, cap, k)
         else:
-            mask = self._admit_mask(a, eligible) & eligible
-            lengths = mask.sum(0)
+            lengths = self._admit_lengths(a, cap)
             if int(lengths.sum()) > room:  # batch-token cap: keep the best-ranked admitted ones
-                lengths = self._top_k_lengths(np.where(mask, a, np.float32(-1.0)), room)
-            self.last_budget = int(lengths.sum())
-            self._snapshots.append(np.where(eligible, a, np.float32(0.0)))
-        return torch.from_numpy(lengths.astype(np.int64))
-
-    @staticmethod
-    def _top_k_lengths(masked: np.ndarray, k: int) -> np.ndarray:
-        """ℓ [R] admitting the first k of the ranking (value desc, then j, then r) of masked
-        [γ, R]; k ≤ the number of entries ≥ 0. Entries above the k-th value are in; ties AT
-        it go in flat (j-major) order, so (r, j) always precedes (r, j+1): prefix-closed."""
-        num_requests = masked.shape[1]
-        if k <= 0:
-            return np.zeros(num_requests, dtype=np.int64)
-        flat = masked.reshape(-1)
-        kth = np.partition(flat, flat.size - k)[flat.size - k]  # the k-th largest value
-        lengths = np.count_nonzero(masked > kth, axis=0)
-        need = k - int(lengths.sum())
-        tied = np.flatnonzero(flat == kth)[:need]  # need ≥ 1: kth itself is tied with itself
-        return lengths + np.bincount(tied % num_requests, minlength=num_requests)
+                lengths = ranking.top_k_lengths(a, lengths, room)
+            k = int(lengths.sum())
+        self.last_budget = k
+        self._snapshots.append(ranking.zero_capped(a, cap))
+        return torch.from_numpy(lengths)
 
     # -- helpers for budget policies ---------------------------------------------------------------
-    @staticmethod
-    def _sorted_desc(values: np.ndarray) -> np.ndarray:
-        """Descending values, capped-out (negative) ones as 0 at the end."""
-        return np.maximum(np.sort(values.reshape(-1))[::-1], np.float32(0.0))
-
-    def _walk(self, masked: np.ndarray, num_requests: int, room: int) -> int:
-        """Algorithm 1 on the CURRENT survivals: the number of leading ranks at which Θ strictly
-        improves. Non-anticipating: the walk's verdict at rank p reads only ranks ≤ p. Sorts
-        only the top m values (m ×4 while the walk has not stopped): walks usually stop early."""
-        flat = masked.reshape(-1)
-        m = min(room, 64)
-        while True:
-            top = np.sort(np.partition(flat, flat.size - m)[flat.size - m:])[::-1] if m else flat[:0]
-            theta = self._theta(np.maximum(top, np.float32(0.0)), num_requests, m)
-            k = int(np.logical_and.accumulate(theta[1:] > theta[:-1]).sum())
-            if k < m or m == room:
-                return k
-            m = min(room, 4 * m)
-
-    def _theta(self, ranked: np.ndarray, num_requests: int, room: int) -> np.ndarray:
-        """Θ(K) = (R + Σ_{i<K} ranked_i) · SPS(R + K) for K = 0..room (f64)."""
+    def _check_sps(self) -> None:
         if self._sps_by_b is None:
             raise ValueError(f"policy {self.name!r} needs an SPS table")
+
+    def _walk(self, a: np.ndarray, cap: np.ndarray, room: int) -> int:
+        """Algorithm 1 on the CURRENT survivals: the number of leading ranks at which Θ strictly
+        improves. Non-anticipating: the walk's verdict at rank p reads only ranks ≤ p."""
+        self._check_sps()
+        return ranking.walk(a, cap, room, self._sps_by_b)
+
+    def _theta(self, ranked: np.ndarray, num_requests: int, room: int) -> np.ndarray:
+        """Θ(K) = (R + Σ_{i<K} ranked_i) · SPS(R + K) for K = 0..room (f64); ranked descending."""
+        self._check_sps()
         gains = np.zeros(room + 1)
         np.cumsum(ranked[:room], dtype=np.float64, out=gains[1:])
         return (num_requests + gains) * self._sps_by_b[num_requests:num_requests + room + 1]
@@ -193,8 +161,8 @@ class Policy:
 class NoDraft(Policy):
     name = "none"
 
-    def _admit_mask(self, a, eligible):
-        return np.zeros_like(eligible)
+    def _admit_lengths(self, a, cap):
+        return np.zeros_like(cap)
 
 
 class Fixed(Policy):
@@ -203,8 +171,8 @@ class Fixed(Policy):
         self.k = int(k)
         self.name = f"fixed:{self.k}"
 
-    def _admit_mask(self, a, eligible):
-        return np.broadcast_to(self._j[:a.shape[0]] < self.k, eligible.shape)
+    def _admit_lengths(self, a, cap):
+        return np.minimum(cap, self.k)
 
 
 class Threshold(Policy):
@@ -213,10 +181,10 @@ class Threshold(Policy):
         self.t = float(t)
         self.name = f"threshold:{self.t:g}"
 
-    def _admit_mask(self, a, eligible):
+    def _admit_lengths(self, a, cap):
         prev = np.concatenate([np.ones_like(a[:1]), a[:-1]], axis=0)
         conf = a / np.maximum(prev, np.float32(1e-30))  # ĉ_j = a_j / a_{j-1} (0 once a hits 0)
-        return np.logical_and.accumulate(conf >= self.t, axis=0)
+        return np.minimum(np.logical_and.accumulate(conf >= self.t, axis=0).sum(0), cap)
 
 
 class DSparkTheory(Policy):
@@ -225,8 +193,8 @@ class DSparkTheory(Policy):
     name = "dspark-theory"
     uses_ranking_budget = True
 
-    def _budget(self, masked, num_requests, room):
-        return self._walk(masked, num_requests, room)
+    def _budget(self, a, cap, room):
+        return self._walk(a, cap, room)
 
 
 class DSpark(Policy):
@@ -248,39 +216,25 @@ class DSpark(Policy):
         if not floor:
             self.name = "dspark:delayed"
 
-    def _budget(self, masked, num_requests, room):
-        k = self._delayed_budget(masked, num_requests, room)
+    def _budget(self, a, cap, room):
+        k = self._delayed_budget(a.shape[1], a.size, room)
         if self.floor and k < room:
-            k = max(k, self._walk(masked, num_requests, room))
+            k = max(k, self._walk(a, cap, room))
         return k
 
-    def _delayed_budget(self, masked: np.ndarray, num_requests: int, room: int) -> int:
-        """K_t = the largest argmax of Θ over K on the t−2 snapshot."""
+    def _delayed_budget(self, num_requests: int, n: int, room: int) -> int:
+        """K_t = the largest argmax of Θ over K on the t−2 snapshot (n = R·γ candidates now)."""
         if not self._snapshots:
             return num_requests  # no history yet: an MTP-1-sized budget
-        snapshot = self._snapshots[0]  # t−2 when two exist, else t−1
-        if snapshot.size == masked.size and num_requests + room <= self._buckets[-1]:
-            return self._budget_at_bucket_tops(snapshot.reshape(-1), num_requests, room)
-        snapshot = self._sorted_desc(snapshot)
-        n = masked.size
-        if snapshot.size != n:  # R changed: quantile-resample the sorted snapshot to R·γ values
-            snapshot = snapshot[np.arange(n) * snapshot.size // n]
-        theta = self._theta(snapshot, num_requests, room)
+        self._check_sps()
+        snapshot = self._snapshots[0].reshape(-1)  # t−2 when two exist, else t−1
+        if snapshot.size == n and num_requests + room <= self._buckets[-1]:
+            return ranking.delayed_budget(snapshot, num_requests, room, self._buckets, self._sps_by_b)
+        ranked = np.sort(snapshot)[::-1]
+        if ranked.size != n:  # R changed: quantile-resample the sorted snapshot to R·γ values
+            ranked = ranked[np.arange(n) * ranked.size // n]
+        theta = self._theta(ranked, num_requests, room)
         return room - int(np.argmax(theta[::-1]))  # largest K among ties: free tokens are free
-
-    def _budget_at_bucket_tops(self, values: np.ndarray, num_requests: int, room: int) -> int:
-        """Same argmax without a full sort. Inside one SPS bucket Θ(K) is non-decreasing (SPS
-        constant, Σ top-K non-decreasing), so the largest maximiser is a bucket top (or K =
-        room): evaluate only those, with top-K sums from one multi-kth partition."""
-        tops = np.minimum(self._buckets[self._buckets >= num_requests], num_requests + room) - num_requests
-        cands = np.unique(tops)  # ascending; includes room (the bucket holding R + room)
-        positive = cands[cands > 0]
-        gains = np.zeros(len(cands))
-        if len(positive):
-            part = np.partition(-values, positive - 1)  # part[:K] = the K largest, for each K
-            gains[len(cands) - len(positive):] = -np.cumsum(part, dtype=np.float64)[positive - 1]
-        theta = (num_requests + gains) * self._sps_by_b[num_requests + cands]
-        return int(cands[len(cands) - 1 - int(np.argmax(theta[::-1]))])
 
 
 class Retrospective(Policy):
@@ -289,8 +243,9 @@ class Retrospective(Policy):
     name = "retrospective"
     uses_ranking_budget = True
 
-    def _budget(self, masked, num_requests, room):
-        return int(np.argmax(self._theta(self._sorted_desc(masked), num_requests, room)))
+    def _budget(self, a, cap, room):
+        ranked = np.sort(ranking.zero_capped(a, cap).reshape(-1))[::-1]
+        return int(np.argmax(self._theta(ranked, a.shape[1], room)))
 
 
 def make_policy(spec: str, sps: SPSTable | None = None, gamma: int = 7,
