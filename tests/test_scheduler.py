@@ -237,30 +237,48 @@ def test_dspark_budget_is_the_largest_global_argmax():
         assert policy.last_budget == want, trial
 
 
-def test_dspark_budget_is_delayed_budget_floored_by_the_walk():
-    """dspark's K = max(K_t from the t−2 snapshot, Algorithm 1's walk on current survivals)."""
+def _brute_theta(values: list[float], num_requests: int, sps: SPSTable) -> list[float]:
+    ranked = sorted(values, reverse=True)
+    return [(num_requests + sum(ranked[:k])) * sps(num_requests + k) for k in range(len(ranked) + 1)]
+
+
+def _brute_walk(theta: list[float]) -> int:
+    k = 0
+    while k + 1 < len(theta) and theta[k + 1] > theta[k]:
+        k += 1
+    return k
+
+
+def test_dspark_budget_rule_against_brute_force():
+    """dspark's K: the walk on current survivals alone when, on the t−2 snapshot, the walk gets
+    within 1 % of the global argmax's Θ; else max(K_t, walk). Brute force over all K."""
     gen = torch.Generator().manual_seed(11)
     gamma = 6
-    raised = 0
-    for trial in range(80):
-        num_requests = int(torch.randint(1, 40, (1,), generator=gen))
-        sps = random_jagged_sps(gen, num_requests * (gamma + 1))
-        rem = torch.randint(1, 3 * gamma, (num_requests,), generator=gen)
-        steps = [(torch.rand(num_requests, gamma, generator=gen) ** 0.4).cumprod(1) for _ in range(3)]
-        policies = {spec: make_policy(spec, sps=sps, gamma=gamma, max_batch_tokens=10_000)
-                    for spec in ("dspark", "dspark:delayed", "dspark-theory")}
-        budgets = {}
-        for spec, policy in policies.items():
-            for i, survival in enumerate(steps):
-                out = policy.decide(survival, rem)
-                if spec == "dspark-theory" and i < 2:
-                    continue
-            budgets[spec] = policy.last_budget
-        want = max(budgets["dspark:delayed"], budgets["dspark-theory"])
-        assert budgets["dspark"] == want, trial
-        assert int(out.sum()) == budgets["dspark-theory"]
-        raised += budgets["dspark"] > budgets["dspark:delayed"]
-    assert raised > 0  # the floor is exercised
+    seen = {"walk only": 0, "raised by walk": 0, "delayed": 0}
+    for trial in range(120):
+        num_requests = int(torch.randint(1, 30, (1,), generator=gen))
+        sps = random_jagged_sps(gen, num_requests * (gamma + 1)) if trial % 2 else cliff_sps(
+            gen, num_requests, num_requests * (gamma + 1))
+        rem = torch.full((num_requests,), 100)
+        powers = (2.0, 0.4, 0.05) if trial % 3 == 0 else (0.4, 0.4, 0.4)  # some: unconfident t−2
+        steps = [(torch.rand(num_requests, gamma, generator=gen) ** p).cumprod(1) for p in powers]
+        policy = make_policy("dspark", sps=sps, gamma=gamma, max_batch_tokens=10_000)
+        for survival in steps:
+            out = policy.decide(survival, rem)
+        snap = _brute_theta(steps[0].reshape(-1).tolist(), num_requests, sps)
+        best = max(snap)
+        k_t = max(k for k, t in enumerate(snap) if t >= best * (1 - 1e-12))
+        k_w_snap = _brute_walk(snap)
+        walk_now = _brute_walk(_brute_theta(steps[2].reshape(-1).tolist(), num_requests, sps))
+        if k_w_snap >= k_t or snap[k_w_snap] >= 0.99 * snap[k_t]:
+            want, case = walk_now, "walk only"
+        else:
+            want = max(k_t, walk_now)
+            case = "raised by walk" if walk_now > k_t else "delayed"
+        assert policy.last_budget == want, trial
+        assert int(out.sum()) == want
+        seen[case] += 1
+    assert all(n > 0 for n in seen.values()), seen  # every branch is exercised
 
 
 def test_walk_on_partial_sorts_matches_full_walk():

@@ -12,10 +12,12 @@ Policies (`make_policy(spec)`):
   dspark-theory (Algorithm 1: walk the ranking while Θ = (R + Σ admitted a)·SPS(R + K)
       strictly improves, stop at the first non-improvement),
   dspark (production: budget K_t = argmax_K (R + Σ top-K a)·SPS(R + K) on the survival
-      snapshot of step t−2, no early stop so jagged SPS cliffs are crossed; K = max(K_t,
-      Algorithm 1's walk on the current survivals); admit the global top-K candidates by
-      CURRENT survival. The walk floor matters at low concurrency on a steep SPS, where
-      one request's t−2 snapshot is a noisy guess; `dspark:delayed` is K = K_t alone).
+      snapshot of step t−2, no early stop so jagged SPS cliffs are crossed; then, with
+      walk = Algorithm 1's early stop on the CURRENT survivals: K = walk when the snapshot
+      shows the walk within 1 % of the argmax's Θ (no cliff worth crossing at this load),
+      else K = max(K_t, walk); admit the global top-K candidates by CURRENT survival. The
+      walk matters at low concurrency on a steep SPS, where one request's t−2 snapshot is
+      a noisy guess; `dspark:delayed` is K = K_t alone, DESIGN §7 verbatim).
   retrospective (NOT a production policy: the negative control of the Appendix A harness
       and tests; dspark's global argmax evaluated on the CURRENT survivals).
 Caps for all: ℓ_r ≤ γ, ℓ_r ≤ remaining_r − 1 (the corrected/bonus token is always
@@ -37,9 +39,9 @@ d_{r,j}). Conclusion for each policy:
 - Ranking: the rank of (r, j) counts candidates ranked above it; (r, >j) are always
   ranked below (non-increasing a, ties by j), so the rank of (r, j) and the SET of
   candidates above it never depend on a[r,>j].
-- dspark: K_t comes from step t−2 (independent of this step's tokens), and (r, j) is
-  admitted iff rank(r, j) < K_t or the walk reached it (see dspark-theory below):
-  non-anticipating.
+- dspark: K_t and the walk-or-max choice come from step t−2 (independent of this step's
+  tokens), and (r, j) is admitted iff rank(r, j) < K_t (max branch only) or the walk
+  reached it (see dspark-theory below): non-anticipating.
 - dspark-theory: (r, j) at rank p is admitted iff Θ improved at every rank ≤ p. Θ at rank
   i uses only the top-i values, all ranked above (r, j) or (r, j) itself, so the early
   stop decision for (r, j) is a function of candidates that do not include a[r,>j]:
@@ -198,14 +200,16 @@ class DSparkTheory(Policy):
 
 
 class DSpark(Policy):
-    """Production: K = max(K_t, walk). K_t is the budget from the step t−2 snapshot (argmax, no
-    early stop, so SPS cliffs are crossed); walk is Algorithm 1's early-stop length on the
-    current survivals, a floor that restores per-block adaptivity when one request's t−2
-    snapshot is a noisy guess (low concurrency on a steep SPS). Admit the top K by current
-    survival. `dspark:delayed` drops the floor (DESIGN §7 verbatim, for ablations).
+    """Production. K_t: the budget from the step t−2 snapshot (argmax, no early stop, so SPS
+    cliffs are crossed). walk: Algorithm 1's early-stop length on the current survivals,
+    which adapts to this block's confidences (what one request's t−2 snapshot cannot do at
+    low concurrency on a steep SPS). If, on the snapshot, the walk gets within `walk_tol`
+    of the argmax's Θ, there is no cliff worth crossing: K = walk; else K = max(K_t, walk).
+    Admit the top K by current survival. `dspark:delayed` is K = K_t (DESIGN §7 verbatim).
 
-    Non-anticipation: (r, j) at rank p is admitted iff p < K_t (independent of this step) or
-    Θ improved at every rank ≤ p (reads ranks ≤ p only, never a[r,>j])."""
+    Non-anticipation: the branch is chosen on step t−2 data; then (r, j) at rank p is
+    admitted iff p < K_t (max branch) or Θ improved at every rank ≤ p (reads ranks ≤ p only,
+    never a[r,>j])."""
 
     name = "dspark"
     uses_ranking_budget = True
@@ -216,11 +220,17 @@ class DSpark(Policy):
         if not floor:
             self.name = "dspark:delayed"
 
+    walk_tol = 0.01  # the snapshot's walk within 1 % of its argmax Θ: follow the walk alone
+
     def _budget(self, a, cap, room):
         k = self._delayed_budget(a.shape[1], a.size, room)
-        if self.floor and k < room:
-            k = max(k, self._walk(a, cap, room))
-        return k
+        if not self.floor:
+            return k
+        snapshot = self._snapshots[0] if self._snapshots else None
+        if (snapshot is not None and snapshot.shape == a.shape and a.shape[1] + room <= self._buckets[-1]
+                and ranking.walk_suffices(snapshot, k, room, self._sps_by_b, self.walk_tol)):
+            return self._walk(a, cap, room)
+        return k if k >= room else max(k, self._walk(a, cap, room))
 
     def _delayed_budget(self, num_requests: int, n: int, room: int) -> int:
         """K_t = the largest argmax of Θ over K on the t−2 snapshot (n = R·γ candidates now)."""
