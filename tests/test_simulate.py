@@ -118,3 +118,19 @@ def test_cli_writes_json_summary_and_plots(tmp_path):
     assert "dominates_within_2pct" in summary["goals"]["gpu_shaped"]
     assert (tmp_path / "sim_gpu_shaped_frontier.png").stat().st_size > 0
     assert (tmp_path / "sim_gpu_shaped_verified.png").stat().st_size > 0
+
+
+def test_poisson_goal_counts_only_policies_that_serve_as_much():
+    """Per-user speed at a rate is compared only against policies with ≥ (1 − tol)·dspark's
+    aggregate: one that serves less (queueing near saturation) cannot out-rank dspark."""
+    from dspark.simulate import summarise
+
+    def pt(per_user, aggregate):
+        return {"concurrency": 1, "per_user_tps": per_user, "aggregate_tps": aggregate}
+
+    results = {"t": {"dspark": [pt(100, 1000), pt(100, 1000)],
+                     "other": [pt(120, 900), pt(120, 995)],
+                     "mtp1": [pt(50, 1000), pt(50, 1000)]}}
+    goals = summarise(results, metric="per_user_tps")["t"]["frontier_vs_best_other"]
+    assert goals[0]["within_tolerance"] and goals[0]["per_user_ratio_same_rate"] < 0.9
+    assert not goals[1]["within_tolerance"] and goals[1]["best_other"] == "other"

@@ -155,27 +155,38 @@ def delayed_budget(values: np.ndarray, num_requests: int, room: int, buckets: np
 
 @njit(cache=True)
 def walk(a: np.ndarray, cap: np.ndarray, room: int, sps_by_b: np.ndarray) -> int:
-    """Algorithm 1 on the current survivals: how many leading ranks strictly improve
-    Θ(K) = (R + Σ top-K a)·SPS(R + K). Sorts only the top m values (m ×4 while the walk
-    goes on): walks usually stop early."""
+    """Algorithm 1 on the current survivals a [γ, R] (candidates j < cap[r]): how many leading
+    ranks strictly improve Θ(K) = (R + Σ top-K a)·SPS(R + K)."""
     num_requests = a.shape[1]
-    if room <= 0:
-        return 0
-    values = np.empty(a.size, np.float64)
-    n, top = 0, 0.0
+    values = np.empty(a.size, np.float32)
+    n = 0
     for j in range(a.shape[0]):
         for r in range(num_requests):
             if j < cap[r]:
-                values[n] = -a[j, r]  # ascending = descending survival
-                top = max(top, a[j, r])
+                values[n] = a[j, r]
                 n += 1
-    values = values[:n]
+    return walk_values(values[:n], num_requests, room, sps_by_b)
+
+
+@njit(cache=True)
+def walk_values(values: np.ndarray, num_requests: int, room: int, sps_by_b: np.ndarray) -> int:
+    """Algorithm 1 over a flat set of candidate survivals. Sorts only the top m values (m ×4
+    while the walk goes on): walks usually stop early."""
+    n = values.size
+    room = min(room, n)
+    if room <= 0:
+        return 0
+    neg = np.empty(n, np.float64)  # ascending = descending survival
+    top = 0.0
+    for i in range(n):
+        neg[i] = -values[i]
+        top = max(top, values[i])
     base = num_requests * sps_by_b[num_requests]
     if (num_requests + top) * sps_by_b[num_requests + 1] <= base:
         return 0  # even the best candidate does not pay
     m = min(room, 64)
     while True:
-        ranked = np.sort(np.partition(values, m - 1)[:m]) if m < n else np.sort(values)
+        ranked = np.sort(np.partition(neg, m - 1)[:m]) if m < n else np.sort(neg)
         prev, gain, k = base, 0.0, 0
         while k < m:
             gain -= ranked[k]
@@ -190,16 +201,14 @@ def walk(a: np.ndarray, cap: np.ndarray, room: int, sps_by_b: np.ndarray) -> int
 
 
 @njit(cache=True)
-def walk_suffices(snapshot: np.ndarray, k_t: int, room: int, sps_by_b: np.ndarray, tol: float) -> bool:
-    """On the step t−2 snapshot [γ, R]: does Algorithm 1's walk get within `tol` of the Θ of the
-    global argmax k_t? If so the SPS curve has no cliff worth crossing at this load, and the
-    current step can follow the walk alone (per-block adaptivity)."""
-    num_requests = snapshot.shape[1]
-    full = np.full(num_requests, snapshot.shape[0], np.int64)
-    k_w = walk(snapshot, full, room, sps_by_b)
+def walk_suffices(values: np.ndarray, num_requests: int, k_t: int, room: int, sps_by_b: np.ndarray,
+                  tol: float) -> bool:
+    """On the step t−2 snapshot (flat survivals `values`, R requests): does Algorithm 1's walk
+    get within `tol` of the Θ of the global argmax k_t? If so the SPS curve has no cliff worth
+    crossing at this load, and the current step can follow the walk alone."""
+    k_w = walk_values(values, num_requests, room, sps_by_b)
     if k_w >= k_t:
         return True
-    values = snapshot.reshape(-1)
     if k_w > 0:
         sums = _top_sums(values, np.array([k_w, k_t], np.int64))
         s_w, s_t = sums[0], sums[1]
@@ -219,4 +228,4 @@ def warm_up() -> None:
     sps = np.linspace(2.0, 1.0, 16)
     delayed_budget(a.reshape(-1), 2, 3, np.array([1, 4, 8, 15], np.int64), sps)
     walk(a, cap, 3, sps)
-    walk_suffices(a, 2, 3, sps, 0.01)
+    walk_suffices(a.reshape(-1), 2, 2, 3, sps, 0.01)

