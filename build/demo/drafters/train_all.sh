@@ -5,8 +5,8 @@
 set -euo pipefail
 cd "$(dirname "$0")/../../.."
 DSPARK=.venv/bin/dspark
-STEPS=${STEPS:-64}
-N_PER_DOMAIN=${N_PER_DOMAIN:-150}
+STEPS=${STEPS:-700}
+N_PER_DOMAIN=${N_PER_DOMAIN:-400}
 THREADS=${THREADS:-2}
 run() { echo "== $(date -u +%T) $*"; nice -n 5 "$@"; }
 BUDGET="--steps $STEPS --batch 8 --anchors 8 --block-size 15 --gamma 7 --lr 3e-3 --warmup 10 --threads $THREADS"
