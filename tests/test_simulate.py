@@ -82,6 +82,36 @@ def test_dspark_beats_mtp1_when_capacity_is_free_and_none_when_saturated():
     assert high["dspark"]["verified_per_request"] < low["dspark"]["verified_per_request"]
 
 
+def test_every_policy_serves_the_same_requests(monkeypatch):
+    """Common random numbers: slot s serves the same sequence of requests (trace, length)
+    under every policy; policies differ only in how many of them they get through."""
+    traces = synthetic_trace_set(num_requests=40, blocks_per_request=12, seed=5)
+    table = SPSTable([1, 512], [100.0, 60.0])
+    draw = simulate.Requests.draw
+    served: dict[str, dict[int, list]] = {}
+
+    for policy in ("mtp1", "fixed:7", "dspark"):
+        log = served.setdefault(policy, {})
+
+        def logged(self, rng, log=log):
+            slot = next(i for i, r in enumerate(self.slot_rngs) if r is rng)
+            out = draw(self, rng)
+            log.setdefault(slot, []).append(out)
+            return out
+
+        monkeypatch.setattr(simulate.Requests, "draw", logged)
+        simulate.run(policy, table, traces, concurrency=3, steps=300, warmup_steps=0, mean_len=24)
+    for slot in range(3):
+        seqs = sorted((served[p][slot] for p in served), key=len)
+        assert len(seqs[-1]) > len(seqs[0]) >= 2  # the faster policies get through more requests
+        assert all(s == seqs[-1][:len(s)] for s in seqs)
+    # and on a flat SPS table verifying more never loses on the same requests
+    flat = SPSTable([1, 512], [100.0, 100.0])
+    tok = {p: simulate.run(p, flat, traces, concurrency=2, steps=300, warmup_steps=0,
+                           mean_len=48)["aggregate_tps"] for p in ("mtp1", "fixed:3", "fixed:7")}
+    assert tok["mtp1"] <= tok["fixed:3"] <= tok["fixed:7"]
+
+
 def test_poisson_mode_reports_ttft_and_mean_concurrency():
     table = SPSTable([1, 64, 512], [100.0, 80.0, 20.0])
     point = simulate.run("mtp1", table, perfect_traces(), arrival_rate=5.0, steps=300, warmup_steps=50,

@@ -18,7 +18,7 @@ from dspark import train
 from dspark.drafter import load_drafter
 from dspark.sampling import SamplingParams
 from dspark.target import TargetEngine
-from dspark.train_data import load_data, make_data
+from dspark.train_data import hot_rows, load_data, make_data
 
 torch.set_num_threads(1)
 TINY_MODEL = ["--block-size", "5", "--gamma", "4", "--layers", "1", "--intermediate", "32",
@@ -63,6 +63,24 @@ def test_make_data_is_target_sampled_with_a_loss_mask(tiny_ckpt, data_dir):
     gen = data["tokens"][0][m[0]].tolist()
     again = target.generate([prompt], 20, SamplingParams(0.7, 20, 0.8, seed=0))[0]
     assert again == gen
+
+
+def test_t1_share_continues_that_share_of_prompts_at_plain_t1(tiny_ckpt, data_dir, tmp_path):
+    """`--t1-share`: the chosen rows are sampled at T = 1 (no top-k/top-p), the rest as DESIGN §8."""
+    target = TargetEngine.from_pretrained(tiny_ckpt, capacity=6, max_seq_len=64)
+    meta = make_data(target, data_dir.parent, tmp_path / "mixed", n_per_domain=2, max_new=20, min_prompt=4,
+                     max_prompt=10, batch=6, t1_share=0.5)
+    assert meta["t1_share"] == 0.5 and meta["t1_sequences"] == 3
+    data = load_data(tmp_path / "mixed")
+    one = TargetEngine.from_pretrained(tiny_ckpt, capacity=1, max_seq_len=64)
+    for row, hot in enumerate(hot_rows(6, 0.5)):
+        m = data["loss_mask"][row]
+        prompt = data["tokens"][row, :int(m.long().argmax())].tolist()
+        params = SamplingParams(1.0, seed=row) if hot else SamplingParams(0.7, 20, 0.8, seed=row)
+        assert one.generate([prompt], 20, params)[0] == data["tokens"][row][m].tolist()
+    with pytest.raises(ValueError, match="t1_share"):
+        make_data(target, data_dir.parent, tmp_path / "bad", n_per_domain=1, max_new=4, min_prompt=4,
+                  max_prompt=5, t1_share=1.5)
 
 
 def test_training_lowers_the_loss_and_exports_every_kind(tiny_ckpt, data_dir, tmp_path):

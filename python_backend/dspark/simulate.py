@@ -41,10 +41,17 @@ DEFAULT_CONCURRENCY = [1, 2, 4, 8, 16, 32, 64, 128, 256]
 
 
 class Requests:
-    """Vectorised request state for `slots` slots (numpy arrays, one entry per slot)."""
+    """Vectorised request state for `slots` slots (numpy arrays, one entry per slot).
 
-    def __init__(self, slots: int, traces: TraceSet, rng: np.random.Generator, mean_len: int):
-        self.traces, self.rng, self.mean_len = traces, rng, mean_len
+    Common random numbers: what a request is (its trace and length) never depends on the
+    policy. Closed loop, slot s serves the same sequence of requests under every policy (one
+    stream per slot); with Poisson arrivals, the n-th arrival is the same request (drawn when
+    it arrives). Policies then differ only in how they serve identical work, so side-by-side
+    ratios are not swamped by which traces each run happened to draw."""
+
+    def __init__(self, slots: int, traces: TraceSet, seed: int, mean_len: int):
+        self.traces, self.mean_len = traces, mean_len
+        self.slot_rngs = [np.random.default_rng([seed, 1, s]) for s in range(slots)]
         self.active = np.zeros(slots, dtype=bool)
         self.trace_id = np.zeros(slots, dtype=np.int64)
         self.block = np.zeros(slots, dtype=np.int64)
@@ -54,16 +61,23 @@ class Requests:
         self.arrival = np.zeros(slots)
         self.first_token = np.full(slots, np.nan)
 
-    def admit(self, idx: np.ndarray, now: float, arrival: np.ndarray | None = None) -> None:
-        """Start new requests in slots idx: random trace, random length in [mean/2, 3·mean/2]."""
-        n = len(idx)
+    def draw(self, rng: np.random.Generator) -> tuple[int, int]:
+        """One request: a random recorded trace and a length in [mean/2, 3·mean/2]."""
+        return (int(rng.integers(0, len(self.traces.request_start))),
+                int(rng.integers(self.mean_len // 2, 3 * self.mean_len // 2 + 1)))
+
+    def admit(self, idx: np.ndarray, now: float,
+              arrivals: list[tuple[float, int, int]] | None = None) -> None:
+        """Start requests in slots idx: each slot's next own request (closed loop), or the given
+        (arrival time, trace id, length) arrivals."""
+        work = arrivals if arrivals is not None else [(now, *self.draw(self.slot_rngs[s])) for s in idx]
         self.active[idx] = True
-        self.trace_id[idx] = self.rng.integers(0, len(self.traces.request_start), n)
+        self.arrival[idx] = [w[0] for w in work]
+        self.trace_id[idx] = [w[1] for w in work]
+        self.remaining[idx] = [w[2] for w in work]
         self.block[idx] = 0
-        self.remaining[idx] = self.rng.integers(self.mean_len // 2, 3 * self.mean_len // 2 + 1, n)
         self.emitted[idx] = 0
         self.start[idx] = now
-        self.arrival[idx] = now if arrival is None else arrival
         self.first_token[idx] = np.nan
 
     def blocks(self, idx: np.ndarray) -> np.ndarray:
@@ -76,13 +90,13 @@ def run(policy_spec: str, sps: SPSTable, traces: TraceSet, concurrency: int = 1,
         warmup_steps: int = 300, mean_len: int = 256, arrival_rate: float | None = None,
         max_slots: int = 256, max_batch_tokens: int = 4096, seed: int = 0) -> dict:
     """One simulation. Closed loop at `concurrency` unless `arrival_rate` (requests/s) is given."""
-    rng = np.random.default_rng(seed)
+    arrivals_rng = np.random.default_rng([seed, 2])  # Poisson: arrival times and what arrives
     policy = make_policy(policy_spec, sps=sps, gamma=traces.gamma, max_batch_tokens=max_batch_tokens)
     step_time = sps.step_time(torch.arange(max_batch_tokens + max_slots + 1)).numpy()
     slots = max_slots if arrival_rate else concurrency
-    req = Requests(slots, traces, rng, mean_len)
-    queue: list[float] = []  # arrival times of waiting requests (Poisson mode)
-    next_arrival = rng.exponential(1.0 / arrival_rate) if arrival_rate else np.inf
+    req = Requests(slots, traces, seed, mean_len)
+    queue: list[tuple[float, int, int]] = []  # waiting requests (Poisson mode): (arrival, trace, length)
+    next_arrival = arrivals_rng.exponential(1.0 / arrival_rate) if arrival_rate else np.inf
     if not arrival_rate:
         req.admit(np.arange(concurrency), 0.0)
     now = t_warm = 0.0
@@ -94,12 +108,12 @@ def run(policy_spec: str, sps: SPSTable, traces: TraceSet, concurrency: int = 1,
             t_warm = now
         if arrival_rate:
             while next_arrival <= now:
-                queue.append(next_arrival)
-                next_arrival += rng.exponential(1.0 / arrival_rate)
+                queue.append((next_arrival, *req.draw(arrivals_rng)))
+                next_arrival += arrivals_rng.exponential(1.0 / arrival_rate)
             free = np.flatnonzero(~req.active)
             if queue and len(free):
                 take = min(len(queue), len(free))
-                req.admit(free[:take], now, np.asarray(queue[:take]))
+                req.admit(free[:take], now, queue[:take])
                 del queue[:take]
             if not req.active.any():  # idle: jump to the next arrival
                 now = next_arrival

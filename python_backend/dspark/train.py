@@ -49,6 +49,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--min-prompt", type=int, default=16)
     g.add_argument("--max-prompt", type=int, default=64)
     g.add_argument("--gen-batch", type=int, default=50)
+    g.add_argument("--t1-share", type=float, default=0.0,
+                   help="share of prompts continued at plain T=1 instead of T 0.7/top-p 0.8/top-k 20")
     m = p.add_argument_group("model")
     m.add_argument("--kind", choices=KINDS, default="dspark")
     m.add_argument("--head", choices=("markov", "rnn", "none"), default="markov")
@@ -359,7 +361,7 @@ def _make_data(args) -> int:
     target = TargetEngine.from_pretrained(args.target, capacity=args.gen_batch,
                                           max_seq_len=args.max_prompt + args.max_new + 1)
     meta = make_data(target, args.token_dir, args.data, args.n_per_domain, args.max_new, args.min_prompt,
-                     args.max_prompt, seed=args.seed, batch=args.gen_batch)
+                     args.max_prompt, seed=args.seed, batch=args.gen_batch, t1_share=args.t1_share)
     print(json.dumps(meta, indent=2))
     return 0
 

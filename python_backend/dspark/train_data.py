@@ -23,6 +23,17 @@ from dspark.sampling import SamplingParams
 
 DOMAINS = ("code", "prose", "math")
 DATA_SAMPLING = SamplingParams(temperature=0.7, top_k=20, top_p=0.8)
+# The share of prompts continued at plain T = 1 instead (`--t1-share`): our evaluation and most
+# sampled serving run at T = 1, and a 10M target's T = 1 text is far noisier than its T = 0.7
+# text, so drafters (and their confidence heads) trained on T = 0.7 text alone meet contexts
+# at T = 1 that they never saw.  0 keeps DESIGN §8's recipe exactly.
+T1_SAMPLING = SamplingParams(temperature=1.0)
+
+
+def hot_rows(n: int, share: float) -> list[bool]:
+    """Which of n prompts are continued at T = 1: an evenly spread `share` of them (prompts come
+    grouped by domain, so every domain gets the same share)."""
+    return [int((i + 1) * share) > int(i * share) for i in range(n)]
 
 
 def corpus_prompts(token_dir: Path, n_per_domain: int, min_len: int, max_len: int, seed: int,
@@ -42,14 +53,17 @@ def corpus_prompts(token_dir: Path, n_per_domain: int, min_len: int, max_len: in
 
 
 def generate_sequences(target, prompts: list[list[int]], max_new: int, seed: int, batch: int = 32,
-                       pad_id: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+                       pad_id: int = 1, t1_share: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
     """Sample a continuation of each prompt from the target -> tokens [N, T] i64 (pad-filled),
     loss_mask [N, T] bool (True on generated tokens, the stop token included)."""
     seqs, masks = [], []
+    hot = hot_rows(len(prompts), t1_share)
     for lo in tqdm(range(0, len(prompts), batch), desc="generate", unit="batch"):
         chunk = prompts[lo:lo + batch]
-        params = [SamplingParams(DATA_SAMPLING.temperature, DATA_SAMPLING.top_k, DATA_SAMPLING.top_p,
-                                 seed=seed * 1_000_003 + lo + i) for i in range(len(chunk))]
+        params = []
+        for i in range(len(chunk)):
+            sp = T1_SAMPLING if hot[lo + i] else DATA_SAMPLING
+            params.append(SamplingParams(sp.temperature, sp.top_k, sp.top_p, seed=seed * 1_000_003 + lo + i))
         outs = target.generate(chunk, max_new, params)
         for p, o in zip(chunk, outs):
             seqs.append(p + o)
@@ -76,14 +90,16 @@ def compute_features(model, tokens: torch.Tensor, batch: int = 16) -> tuple[torc
 
 
 def make_data(target, token_dir: Path, out_dir: Path, n_per_domain: int, max_new: int, min_prompt: int,
-              max_prompt: int, seed: int = 0, batch: int = 32) -> dict:
+              max_prompt: int, seed: int = 0, batch: int = 32, t1_share: float = 0.0) -> dict:
     """Generate, featurise and store one data folder; returns its meta dict."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     t0 = time.time()
     prompts, dom = corpus_prompts(Path(token_dir), n_per_domain, min_prompt, max_prompt, seed)
     pad_id = target.config.pad_token_id if target.config.pad_token_id is not None else 0
-    tokens, loss_mask = generate_sequences(target, prompts, max_new, seed, batch, pad_id)
+    if not 0.0 <= t1_share <= 1.0:
+        raise ValueError(f"t1_share must be in [0, 1], got {t1_share}")
+    tokens, loss_mask = generate_sequences(target, prompts, max_new, seed, batch, pad_id, t1_share)
     t_gen = time.time() - t0
     taps, hidden = compute_features(target.model, tokens)
     torch.save({"tokens": tokens, "loss_mask": loss_mask, "domain": torch.tensor(dom)},
@@ -94,7 +110,9 @@ def make_data(target, token_dir: Path, out_dir: Path, n_per_domain: int, max_new
             "max_len": int(tokens.shape[1]), "generated_tokens": int(loss_mask.sum()),
             "prompt_tokens": [min_prompt, max_prompt], "max_new": max_new,
             "sampling": {"temperature": DATA_SAMPLING.temperature, "top_k": DATA_SAMPLING.top_k,
-                         "top_p": DATA_SAMPLING.top_p}, "seed": seed, "tap_layers": list(target.tap_layers),
+                         "top_p": DATA_SAMPLING.top_p},
+            "t1_share": t1_share, "t1_sequences": sum(hot_rows(len(prompts), t1_share)), "seed": seed,
+            "tap_layers": list(target.tap_layers),
             "generate_seconds": round(t_gen, 1), "total_seconds": round(time.time() - t0, 1)}
     (out_dir / "meta.json").write_text(json.dumps(meta, indent=2) + "\n")
     return meta
