@@ -1,6 +1,7 @@
 """Drafter training data (DESIGN §8): prompts cut from the demo corpus train split by
-domain, continuations sampled from the target (T 0.7, top-p 0.8, top-k 20), stored as token
-shards with a loss mask (True on generated tokens), plus the target features every drafter
+domain, continuations sampled from the target (T 0.7, top-p 0.8, top-k 20; a `t1_share` of
+them at plain T = 1), stored as token shards with a loss mask (True on generated tokens),
+plus the target features every drafter
 trains on: the taps [T, tap_dim] and the final-normed hidden state [T, d] of each token
 (target logits are lm_head(hidden), recomputed per batch: cheaper than storing [T, V]).
 
@@ -92,13 +93,13 @@ def compute_features(model, tokens: torch.Tensor, batch: int = 16) -> tuple[torc
 def make_data(target, token_dir: Path, out_dir: Path, n_per_domain: int, max_new: int, min_prompt: int,
               max_prompt: int, seed: int = 0, batch: int = 32, t1_share: float = 0.0) -> dict:
     """Generate, featurise and store one data folder; returns its meta dict."""
+    if not 0.0 <= t1_share <= 1.0:
+        raise ValueError(f"t1_share must be in [0, 1], got {t1_share}")
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     t0 = time.time()
     prompts, dom = corpus_prompts(Path(token_dir), n_per_domain, min_prompt, max_prompt, seed)
     pad_id = target.config.pad_token_id if target.config.pad_token_id is not None else 0
-    if not 0.0 <= t1_share <= 1.0:
-        raise ValueError(f"t1_share must be in [0, 1], got {t1_share}")
     tokens, loss_mask = generate_sequences(target, prompts, max_new, seed, batch, pad_id, t1_share)
     t_gen = time.time() - t0
     taps, hidden = compute_features(target.model, tokens)
