@@ -41,7 +41,7 @@ def cu_from(lengths: torch.Tensor, dev: str) -> torch.Tensor:
 
 
 def bench_rejection(r: int, gamma: int, rep_ms: int) -> dict:
-    from dspark.verify import rejection_sample_ref
+    from dspark.runtime.verify import rejection_sample_ref
     from dspark_kernels.rejection import rejection_sample_triton
 
     dev, g = "cuda", torch.Generator().manual_seed(0)

@@ -22,8 +22,8 @@ import torch
 import triton
 import triton.language as tl
 
-from dspark.sampling import sampling_probs
-from dspark.verify import sample_inverse_cdf, use_triton
+from dspark.runtime.sampling import sampling_probs
+from dspark.runtime.verify import sample_inverse_cdf, use_triton
 
 
 @triton.jit

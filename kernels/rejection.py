@@ -4,7 +4,7 @@ One program per request r walks its rows cu[r] .. cu[r+1]-1 of the flattened tar
 probabilities: accept d_j while u_j · p_d(d_j) < p_t(d_j), then draw the corrected token from
 norm(max(0, p_t − p_d)) (p_t when that mass is ~0) or the bonus token from p_t, by inverse
 CDF over the vocabulary in BLOCK_V chunks (pass 1: mass, pass 2: running cumsum).
-Torch reference: dspark.verify.rejection_sample_ref (same uniforms in, same tokens out).
+Torch reference: dspark.runtime.verify.rejection_sample_ref (same uniforms in, same tokens out).
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-from dspark.verify import ZERO_MASS, VerifyResult, rejection_sample_ref
+from dspark.runtime.verify import ZERO_MASS, VerifyResult, rejection_sample_ref
 
 __all__ = ["rejection_sample_triton", "rejection_sample_ref"]
 
@@ -114,7 +114,7 @@ def rejection_sample_triton(
     uniforms: torch.Tensor,  # [R, γ+1] f32
     block_v: int = 1024,
 ) -> VerifyResult:
-    """Launch one program per request; same contract as dspark.verify.rejection_sample_ref."""
+    """Launch one program per request; same contract as dspark.runtime.verify.rejection_sample_ref."""
     r_count, gamma = draft_tokens.shape
     v = target_probs.shape[1]
     dev = target_probs.device

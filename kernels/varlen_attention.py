@@ -153,16 +153,16 @@ def varlen_attention(
     q: torch.Tensor,  # [N, H, D]
     k_cache: torch.Tensor,  # [C, KVH, S, D]
     v_cache: torch.Tensor,  # [C, KVH, S, D]
-    tok_slot: torch.Tensor | None,  # [N] slot of each token (dspark.model's contract; slots[r] suffices)
+    tok_slot: torch.Tensor | None,  # [N] slot of each token (slots[r] suffices)
     positions: torch.Tensor,  # [N] i64
     cu_seqlens: torch.Tensor,  # [R+1] i64
     slots: torch.Tensor,  # [R] i64
     sm_scale: float | None = None,
     max_new_tokens: int | None = None,  # pass AttnMeta.max_new to skip one host sync
 ) -> torch.Tensor:
-    """Dispatch with dspark.model's argument order: the Triton kernel on CUDA (or
+    """Dispatch with dspark.runtime.model's argument order: the Triton kernel on CUDA (or
     DSPARK_KERNELS=triton), else the torch reference."""
-    from dspark.verify import use_triton
+    from dspark.runtime.verify import use_triton
 
     if use_triton(q):
         return varlen_attention_triton(q, k_cache, v_cache, cu_seqlens, positions, slots, sm_scale,

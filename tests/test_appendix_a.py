@@ -9,7 +9,7 @@ import json
 import pytest
 import torch
 
-from dspark import appendix_a
+from dspark.tools import appendix_a
 
 SAMPLES = 4000  # z of the 0.15 bias is ≈ 20 at this size; unbiased policies must stay within |z| < 4
 
@@ -31,7 +31,7 @@ def test_retrospective_decides_d1_from_its_own_confidence():
 
 
 def test_scheduler_policies_are_not_biased():
-    pytest.importorskip("dspark.scheduler")
+    pytest.importorskip("dspark.runtime.scheduler")
     specs = ["threshold:0.7", "dspark-theory", "dspark"]
     result = appendix_a.run(SAMPLES, seed=2, policies=specs)
     for spec in specs:

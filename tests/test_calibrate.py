@@ -5,7 +5,7 @@ import json
 import numpy as np
 import pytest
 
-from dspark.calibrate import (
+from dspark.tools.calibrate import (
     BlockTrace,
     calibrate_trace,
     fit_sts,
@@ -46,8 +46,8 @@ def test_sts_recovers_known_temperatures_and_lowers_ece():
 
 
 def test_grid_ece_matches_metrics_ece():
-    from dspark.calibrate import _ece_per_row
-    from dspark.metrics import ece
+    from dspark.tools.calibrate import _ece_per_row
+    from dspark.tools.metrics import ece
 
     rng = np.random.default_rng(3)
     conf, y = rng.uniform(size=(4, 500)), rng.uniform(size=500) < 0.5

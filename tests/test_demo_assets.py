@@ -28,7 +28,7 @@ def test_folder_layout_and_size():
 
 
 def test_tokenizer_special_tokens_and_roundtrip():
-    from dspark.loader import load_tokenizer
+    from dspark.runtime.loader import load_tokenizer
 
     tok = load_tokenizer(DEMO_TARGET)
     assert [tok.token_to_id(t) for t in ("<|endoftext|>", "<|pad|>", "<|mask|>")] == [0, 1, 2]
@@ -38,7 +38,7 @@ def test_tokenizer_special_tokens_and_roundtrip():
 
 def test_our_loader_and_transformers_agree():
     transformers = pytest.importorskip("transformers")
-    from dspark.loader import load_model, load_tokenizer
+    from dspark.runtime.loader import load_model, load_tokenizer
 
     torch.manual_seed(0)
     ids = torch.tensor([load_tokenizer(DEMO_TARGET).encode(PROMPT).ids])
@@ -53,7 +53,7 @@ def test_our_loader_and_transformers_agree():
 
 def test_target_engine_greedy_matches_full_forward():
     """TargetEngine's cached decoding picks the same greedy tokens as re-running the prefix."""
-    from dspark.target import TargetEngine
+    from dspark.runtime.target import TargetEngine
 
     engine = TargetEngine.from_pretrained(DEMO_TARGET, capacity=1, max_seq_len=128)
     ids = engine.tokenizer.encode(PROMPT).ids

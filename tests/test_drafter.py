@@ -10,18 +10,18 @@ import json
 import pytest
 import torch
 
-from dspark.drafter import load_drafter
-from dspark.drafter.draft_lm import DraftLMDrafter, new_draft_lm, save_draft_lm
-from dspark.drafter.dspark_drafter import (
+from dspark.runtime.drafter import load_drafter
+from dspark.runtime.drafter.draft_lm import DraftLMDrafter, new_draft_lm, save_draft_lm
+from dspark.runtime.drafter.dspark_drafter import (
     DSparkConfig,
     DSparkDrafter,
     DSparkModel,
     save_dspark,
     shared_weights,
 )
-from dspark.drafter.eagle import EagleConfig, EagleDrafter, EagleModel, save_eagle
-from dspark.sampling import SamplingParams, param_tensors, sampling_probs
-from dspark.target import TargetEngine
+from dspark.runtime.drafter.eagle import EagleConfig, EagleDrafter, EagleModel, save_eagle
+from dspark.runtime.sampling import SamplingParams, param_tensors, sampling_probs
+from dspark.runtime.target import TargetEngine
 
 torch.set_num_threads(1)
 G = 6  # trained block size in these tests
@@ -257,7 +257,7 @@ def test_draft_lm_folder_loads_in_transformers(target, tmp_path):
 
 @pytest.mark.parametrize("kind", ["dspark-markov", "dspark-none", "eagle", "draft_lm"])
 def test_greedy_speculative_output_equals_plain_decoding(target, tmp_path, kind):
-    engine_mod = pytest.importorskip("dspark.engine")
+    engine_mod = pytest.importorskip("dspark.runtime.engine")
     if kind == "eagle":
         drafter = make_eagle(target)
     elif kind == "draft_lm":

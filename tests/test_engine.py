@@ -1,4 +1,4 @@
-"""The speculative engine loop (dspark.engine): lossless against plain decoding for every
+"""The speculative engine loop (dspark.runtime.engine): lossless against plain decoding for every
 policy and drafter, the exact output distribution at T > 0, continuous batching,
 cancellation, no slot leaks, drafter failures and reproducibility."""
 
@@ -13,12 +13,12 @@ import torch
 from scipy.stats import chisquare
 from tiny import make_tiny_checkpoint
 
-from dspark.drafter import NGramDrafter, load_drafter
-from dspark.engine import TIMERS, SpecEngine
-from dspark.interfaces import DraftBlock
-from dspark.sampling import SamplingParams, param_tensors, sampling_probs
-from dspark.sps import SPSTable
-from dspark.target import TargetEngine
+from dspark.runtime.drafter import NGramDrafter, load_drafter
+from dspark.runtime.engine import TIMERS, SpecEngine
+from dspark.runtime.interfaces import DraftBlock
+from dspark.runtime.sampling import SamplingParams, param_tensors, sampling_probs
+from dspark.runtime.sps import SPSTable
+from dspark.runtime.target import TargetEngine
 
 POLICIES = ["none", "fixed:1", "fixed:3", "threshold:0.5", "dspark-theory", "dspark"]
 SPS = SPSTable.gpu_shaped()

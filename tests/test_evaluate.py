@@ -6,10 +6,10 @@ import numpy as np
 import pytest
 import torch
 
-from dspark import evaluate as ev
-from dspark.calibrate import BlockTrace
 from dspark.cli import main
-from dspark.traces import load_traces
+from dspark.tools import evaluate as ev
+from dspark.tools.calibrate import BlockTrace
+from dspark.tools.traces import load_traces
 
 
 def write_prompts(path):
@@ -21,8 +21,8 @@ def write_prompts(path):
 
 def untrained_drafter(folder, target_path, head: str, block_size: int = 5):
     """A random DSpark drafter for the tiny target (the shipped code path, no training)."""
-    from dspark.drafter.dspark_drafter import DSparkConfig, DSparkModel, save_dspark
-    from dspark.target import TargetEngine
+    from dspark.runtime.drafter.dspark_drafter import DSparkConfig, DSparkModel, save_dspark
+    from dspark.runtime.target import TargetEngine
 
     target = TargetEngine.from_pretrained(target_path, capacity=1, max_seq_len=64)
     cfg = DSparkConfig(vocab_size=target.vocab_size, hidden_size=target.config.hidden_size,

@@ -14,7 +14,7 @@ import os
 import pytest
 import torch
 
-from dspark.verify import rejection_sample, rejection_sample_ref
+from dspark.runtime.verify import rejection_sample, rejection_sample_ref
 
 
 @pytest.fixture(scope="module")
@@ -118,7 +118,7 @@ def test_block_sample_kernel_equals_reference(kernels):
 
 
 def test_varlen_attention_dispatch_matches_model_contract(kernels, monkeypatch):
-    """dspark.model calls varlen_attention(q, k, v, tok_slot, positions, cu_seqlens, slots, scale)."""
+    """dspark.runtime.model calls varlen_attention(q, k, v, tok_slot, positions, cu_seqlens, slots, scale)."""
     mod = kernels["varlen_attention"]
     g = torch.Generator().manual_seed(1)
     k_cache, v_cache = torch.randn(2, 1, 8, 16, generator=g), torch.randn(2, 1, 8, 16, generator=g)

@@ -1,4 +1,4 @@
-"""dspark.metrics: hand-computed cases and brute-force cross-checks."""
+"""dspark.tools.metrics: hand-computed cases and brute-force cross-checks."""
 
 import math
 
@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from dspark.metrics import auroc, conditional_acceptance, ece, reliability, survival, tau
+from dspark.tools.metrics import auroc, conditional_acceptance, ece, reliability, survival, tau
 
 
 def test_ece_hand_computed():

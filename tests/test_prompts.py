@@ -1,4 +1,4 @@
-"""Eval prompt sets (dspark.prompts): the shipped files, HumanEval, and the JSONL reader."""
+"""Eval prompt sets (dspark.tools.prompts): the shipped files, HumanEval, and the JSONL reader."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from dspark.prompts import PROMPT_DIR, load_prompt_set, load_prompts_jsonl
+from dspark.tools.prompts import PROMPT_DIR, load_prompt_set, load_prompts_jsonl
 
 
 def test_code_prompts_are_humaneval_in_task_order():

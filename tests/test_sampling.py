@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from dspark.sampling import SamplingParams, _top_k_top_p, param_tensors, sampling_probs
+from dspark.runtime.sampling import SamplingParams, _top_k_top_p, param_tensors, sampling_probs
 
 
 def _one_row(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:

@@ -8,8 +8,8 @@ import math
 import pytest
 import torch
 
-from dspark.scheduler import make_policy, sts_survival
-from dspark.sps import SPSTable
+from dspark.runtime.scheduler import make_policy, sts_survival
+from dspark.runtime.sps import SPSTable
 
 ALL_SPECS = ["none", "mtp1", "fixed:3", "threshold:0.6", "dspark-theory", "dspark"]
 
@@ -305,7 +305,7 @@ def test_top_sums_binned_equals_sorted_prefix_sums():
     values packed in one bin (partial-bin partitions) and exact ties."""
     import numpy as np
 
-    from dspark.ranking import _top_sums
+    from dspark.runtime.ranking import _top_sums
 
     rng = np.random.default_rng(0)
     for trial in range(200):

@@ -22,9 +22,9 @@ import pytest
 import tritonclient.grpc as grpcclient
 
 from dspark.paths import MODEL_REPOSITORY, REPO_ROOT
-from dspark.target import TargetEngine
-from dspark.text import decode, encode, load_tokenizer
-from dspark.triton_server import TritonServer, prepare_backend_dir
+from dspark.runtime.target import TargetEngine
+from dspark.runtime.text import decode, encode, load_tokenizer
+from dspark.serving.triton_server import TritonServer, prepare_backend_dir
 
 pytestmark = pytest.mark.integration
 

@@ -9,10 +9,10 @@ import numpy as np
 import pytest
 import torch
 
-from dspark import simulate
-from dspark.scheduler import sts_survival
-from dspark.sps import SPSTable
-from dspark.traces import TraceSet, load_traces, save_traces, synthetic_trace_set, synthetic_traces
+from dspark.runtime.scheduler import sts_survival
+from dspark.runtime.sps import SPSTable
+from dspark.tools import simulate
+from dspark.tools.traces import TraceSet, load_traces, save_traces, synthetic_trace_set, synthetic_traces
 
 
 def perfect_traces(gamma: int = 4, blocks: int = 8) -> TraceSet:
@@ -153,7 +153,7 @@ def test_cli_writes_json_summary_and_plots(tmp_path):
 def test_poisson_goal_counts_only_policies_that_serve_as_much():
     """Per-user speed at a rate is compared only against policies with ≥ (1 − tol)·dspark's
     aggregate: one that serves less (queueing near saturation) cannot out-rank dspark."""
-    from dspark.simulate import summarise
+    from dspark.tools.simulate import summarise
 
     def pt(per_user, aggregate):
         return {"concurrency": 1, "per_user_tps": per_user, "aggregate_tps": aggregate}

@@ -7,7 +7,7 @@ import json
 import pytest
 import torch
 
-from dspark.sps import SPSTable
+from dspark.runtime.sps import SPSTable
 
 
 def test_next_bucket_lookup_is_jagged():
@@ -59,7 +59,7 @@ def test_rejects_bad_tables(sizes, speeds):
 def test_profile_sps_on_tiny_checkpoint(tiny_ckpt, tmp_path):
     import argparse
 
-    from dspark import profile_sps
+    from dspark.bench import sps as profile_sps
 
     assert profile_sps.split_tokens(9, 4) == [3, 3, 3]
     assert profile_sps.split_tokens(1, 4) == [1]

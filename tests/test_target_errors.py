@@ -10,11 +10,11 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from dspark.batch import RaggedBatch
-from dspark.config import ModelConfig
-from dspark.kv_cache import KVCache
-from dspark.loader import load_model
-from dspark.target import TargetEngine
+from dspark.runtime.batch import RaggedBatch
+from dspark.runtime.config import ModelConfig
+from dspark.runtime.kv_cache import KVCache
+from dspark.runtime.loader import load_model
+from dspark.runtime.target import TargetEngine
 
 
 @pytest.fixture()

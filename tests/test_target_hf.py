@@ -10,12 +10,12 @@ import pytest
 import torch
 from tiny import load_hf, make_tiny_checkpoint
 
-from dspark.batch import RaggedBatch
-from dspark.config import ModelConfig
-from dspark.loader import load_model, save_pretrained
-from dspark.model import Transformer, default_tap_layers
-from dspark.sampling import SamplingParams
-from dspark.target import TargetEngine
+from dspark.runtime.batch import RaggedBatch
+from dspark.runtime.config import ModelConfig
+from dspark.runtime.loader import load_model, save_pretrained
+from dspark.runtime.model import Transformer, default_tap_layers
+from dspark.runtime.sampling import SamplingParams
+from dspark.runtime.target import TargetEngine
 
 ATOL = 1e-4
 LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
@@ -171,7 +171,7 @@ def test_generate_cli_speculative_equals_plain_greedy(tiny_ckpt, capsys):
 def test_incremental_detokenizer_never_splits_characters(tiny_tokenizer_path):
     from tokenizers import Tokenizer
 
-    from dspark.generate import IncrementalDetokenizer
+    from dspark.tools.generate import IncrementalDetokenizer
 
     tok = Tokenizer.from_file(str(tiny_tokenizer_path))
     text = "naïve café – 日本語 ok"

@@ -7,9 +7,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dspark.batch import RaggedBatch
-from dspark.sampling import SamplingParams
-from dspark.target import TargetEngine
+from dspark.runtime.batch import RaggedBatch
+from dspark.runtime.sampling import SamplingParams
+from dspark.runtime.target import TargetEngine
 
 GAMMA = 7
 
@@ -140,7 +140,7 @@ def test_generate_releases_slots_on_exception(engine):
 
 
 def test_prefill_groups_bound_padding_and_match(engine, monkeypatch):
-    from dspark import target as target_mod
+    from dspark.runtime import target as target_mod
 
     assert target_mod._prefill_groups([3, 3, 9, 2, 2], budget=12) == [[0, 1], [2], [3, 4]]
     prompts = [_seq(n, seed=20 + n) for n in (3, 11, 4, 6)]
@@ -178,7 +178,7 @@ def test_torch_attention_matches_the_kernel_contract():
     """The CPU path and dspark_kernels.varlen_attention (torch reference on CPU, Triton on
     CUDA) compute the same thing from the same arguments, so the CUDA dispatch is a drop-in."""
     varlen = pytest.importorskip("dspark_kernels.varlen_attention").varlen_attention
-    from dspark.model import _attend_torch, build_attn_meta
+    from dspark.runtime.model import _attend_torch, build_attn_meta
 
     g = torch.Generator().manual_seed(0)
     n_heads, n_kv, hd, cap, max_len = 6, 2, 16, 5, 40

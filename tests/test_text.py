@@ -1,5 +1,5 @@
 """Incremental detokenization never splits a UTF-8 character; stop strings cut the stream
-at the earliest match even when they arrive split across deltas (dspark.text)."""
+at the earliest match even when they arrive split across deltas (dspark.runtime.text)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import random
 import pytest
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from dspark.text import (
+from dspark.runtime.text import (
     IncrementalDetokenizer,
     StopStringMatcher,
     TextStream,

@@ -14,11 +14,11 @@ import numpy as np
 import pytest
 import torch
 
-from dspark import train
-from dspark.drafter import load_drafter
-from dspark.sampling import SamplingParams
-from dspark.target import TargetEngine
-from dspark.train_data import hot_rows, load_data, make_data
+from dspark.runtime.drafter import load_drafter
+from dspark.runtime.sampling import SamplingParams
+from dspark.runtime.target import TargetEngine
+from dspark.tools import train
+from dspark.tools.train_data import hot_rows, load_data, make_data
 
 torch.set_num_threads(1)
 TINY_MODEL = ["--block-size", "5", "--gamma", "4", "--layers", "1", "--intermediate", "32",
@@ -114,7 +114,7 @@ def test_resume_continues_exactly(tiny_ckpt, data_dir, tmp_path):
 def test_rank_split_gradient_equals_full_batch_gradient(tiny_ckpt, data_dir):
     """The DDP normalisation without processes: each rank's loss Σ_rank·world/norm, averaged
     over ranks as DDP does, has the gradient of the full batch's Σ/norm."""
-    from dspark.loader import load_model
+    from dspark.runtime.loader import load_model
 
     p = argparse.ArgumentParser()
     train.add_arguments(p)

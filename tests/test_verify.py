@@ -12,8 +12,8 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
-from dspark.sampling import SamplingParams, param_tensors, sampling_probs
-from dspark.verify import draw_uniforms, rejection_sample_ref, verify_ragged
+from dspark.runtime.sampling import SamplingParams, param_tensors, sampling_probs
+from dspark.runtime.verify import draw_uniforms, rejection_sample_ref, verify_ragged
 
 V = 6
 SAMPLES = 100_000

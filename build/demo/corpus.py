@@ -14,7 +14,7 @@ split does not depend on file order. Output: work/corpus/{domain}.{train,heldout
 (one {"id", "text"} per line), the manifest (every source file's path, sha256 and split,
 the corpus files' hashes) to work/corpus/manifest.json and the shipped
 corpus_manifest.json, and the shipped eval prompt files prompts/{math,prose}.jsonl
-(prefixes of held-out documents, read by dspark.prompts).
+(prefixes of held-out documents, read by dspark.tools.prompts).
 
     python build/demo/corpus.py [--out build/demo/work/corpus]
 """

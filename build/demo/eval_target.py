@@ -21,8 +21,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from dspark.loader import load_model
 from dspark.paths import DEMO_TARGET, RESULTS
+from dspark.runtime.loader import load_model
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from trigram import KneserNeyTrigram  # noqa: E402
@@ -59,8 +59,8 @@ def target_nll(model, tokens: np.ndarray, window: int, stride: int, batch: int =
 
 
 def greedy_samples(target_dir: Path, n_code: int, max_new: int) -> list[dict]:
-    from dspark.prompts import load_prompt_set
-    from dspark.target import TargetEngine
+    from dspark.runtime.target import TargetEngine
+    from dspark.tools.prompts import load_prompt_set
 
     engine = TargetEngine.from_pretrained(target_dir, capacity=4, max_seq_len=1024)
     tok = engine.tokenizer

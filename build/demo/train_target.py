@@ -1,6 +1,6 @@
 """Train the demo target: a small Qwen3-architecture LM built with the project's own model
-code (`dspark.model.Transformer.forward_train`), saved as a Hugging Face folder with
-`dspark.loader.save_pretrained` (DESIGN §4).
+code (`dspark.runtime.model.Transformer.forward_train`), saved as a Hugging Face folder with
+`dspark.runtime.loader.save_pretrained` (DESIGN §4).
 
 Schedule: AdamW, linear warmup then cosine decay to 10 % of the peak LR. With a
 `--time-budget` (the machine is shared, so throughput varies), the schedule's progress is
@@ -26,9 +26,9 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from dspark.config import ModelConfig
-from dspark.loader import save_pretrained
-from dspark.model import Transformer
+from dspark.runtime.config import ModelConfig
+from dspark.runtime.loader import save_pretrained
+from dspark.runtime.model import Transformer
 
 HERE = Path(__file__).resolve().parent
 DOMAINS = ("code", "prose", "math")

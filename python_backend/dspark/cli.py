@@ -8,16 +8,17 @@ import importlib
 import sys
 
 COMMANDS: dict[str, tuple[str, str]] = {
-    "generate": ("dspark.generate", "stream a continuation from the shipped (or given) model"),
-    "serve": ("dspark.serve", "start tritonserver on the model repository"),
-    "bench-target": ("dspark.bench_target", "plain decode tokens/s: ours vs transformers"),
-    "bench": ("dspark.bench", "end-to-end speculative benchmark"),
-    "profile-sps": ("dspark.profile_sps", "profile target steps/second vs token batch size"),
-    "simulate": ("dspark.simulate", "serving simulator over scheduler policies"),
-    "appendix-a": ("dspark.appendix_a", "non-anticipation harness (paper Appendix A)"),
-    "train": ("dspark.train", "train a drafter"),
-    "calibrate": ("dspark.calibrate", "Sequential Temperature Scaling"),
-    "eval": ("dspark.evaluate", "offline drafter evaluation"),
+    "generate": ("dspark.tools.generate", "stream a continuation from the shipped (or given) model"),
+    "serve": ("dspark.serving.serve", "start tritonserver on the model repository"),
+    "bench-target": ("dspark.bench.target", "plain decode tokens/s: ours vs transformers"),
+    "bench": ("dspark.bench.e2e", "end-to-end speculative benchmark"),
+    "bench-scheduler": ("dspark.bench.scheduler", "scheduler decide() latency per policy"),
+    "profile-sps": ("dspark.bench.sps", "profile target steps/second vs token batch size"),
+    "simulate": ("dspark.tools.simulate", "serving simulator over scheduler policies"),
+    "appendix-a": ("dspark.tools.appendix_a", "non-anticipation harness (paper Appendix A)"),
+    "train": ("dspark.tools.train", "train a drafter"),
+    "calibrate": ("dspark.tools.calibrate", "Sequential Temperature Scaling"),
+    "eval": ("dspark.tools.evaluate", "offline drafter evaluation"),
 }
 
 

@@ -1,17 +1,17 @@
 """dspark: the decoupled decoding model (DESIGN §10).
 
-`execute` only validates and hands requests to the ONE engine loop (`dspark.engine.SpecEngine`
+`execute` only validates and hands requests to the ONE engine loop (`dspark.runtime.engine.SpecEngine`
 over the in-process `TargetEngine` and an optional drafter), which a background thread
 steps with continuous batching: a request arriving mid-generation joins at the next step.
 This file is parsing, validation and the per-request token callback; the loop is the library's.
 
-Per request it keeps a `dspark.text.TextStream` (incremental detokenizer + stop strings;
+Per request it keeps a `dspark.runtime.text.TextStream` (incremental detokenizer + stop strings;
 see postprocessing/1/model.py for why the text is made here). Streaming requests get one
 response per new piece of text and the final flag on the last; non-streaming requests get
 one response with the whole text. A stop string cancels the request in the engine (its
 slot frees at the next step). Every accepted request gets exactly one final response: on
 success, error, cancellation or shutdown. Engine counters go to the metrics port
-(`dspark.triton_metrics`).
+(`dspark.serving.triton_metrics`).
 """
 
 from __future__ import annotations
@@ -27,13 +27,13 @@ import torch
 import triton_python_backend_utils as pb_utils
 
 from dspark import paths
-from dspark.drafter import build_drafter, pad_temperatures, read_temperatures
-from dspark.engine import SpecEngine
-from dspark.sampling import SamplingParams
-from dspark.sps import SPSTable
-from dspark.target import TargetEngine
-from dspark.text import TextStream
-from dspark.triton_metrics import TritonEngineMetrics
+from dspark.runtime.drafter import build_drafter, pad_temperatures, read_temperatures
+from dspark.runtime.engine import SpecEngine
+from dspark.runtime.sampling import SamplingParams
+from dspark.runtime.sps import SPSTable
+from dspark.runtime.target import TargetEngine
+from dspark.runtime.text import TextStream
+from dspark.serving.triton_metrics import TritonEngineMetrics
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 CANCEL_CHECK_TOKENS = 8  # ask the server whether the client cancelled every this many tokens (one IPC)

@@ -4,7 +4,7 @@ Why the detokenization happens in `dspark` and not here: in an ensemble this mod
 once per streamed response, possibly batched with other requests' responses, with no
 per-request identity, so it cannot own a per-request detokenizer state. And stop strings
 must end generation (and free the KV slot) in the decode loop, which therefore needs the
-text anyway. So `dspark` keeps one `dspark.text.TextStream` per request (never splits a
+text anyway. So `dspark` keeps one `dspark.runtime.text.TextStream` per request (never splits a
 multi-byte character, holds back a possible partial stop string) and sends text deltas;
 this step stays stateless and only shapes the public output. It is the place for output
 formatting that does not need request state.

@@ -10,7 +10,7 @@ import numpy as np
 import triton_python_backend_utils as pb_utils
 
 from dspark import paths
-from dspark.text import encode, load_tokenizer
+from dspark.runtime.text import encode, load_tokenizer
 
 
 def target_path(model_config: dict) -> str:

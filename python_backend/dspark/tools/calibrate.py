@@ -21,9 +21,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from dspark.drafter import build_drafter, pad_temperatures, read_temperatures  # noqa: F401 (re-exported)
-from dspark.metrics import ECE_BINS, auroc, ece, reliability, sigmoid, survival
-from dspark.sampling import SamplingParams
+from dspark.runtime.drafter import build_drafter, pad_temperatures, read_temperatures  # noqa: F401 (re-exported)
+from dspark.runtime.sampling import SamplingParams
+from dspark.tools.metrics import ECE_BINS, auroc, ece, reliability, sigmoid, survival
 
 # Log-spaced temperatures 0.05 .. 20 (ECE is piecewise constant in T, so a grid suffices).
 STS_GRID = np.exp(np.linspace(math.log(0.05), math.log(20.0), 241))
@@ -234,7 +234,7 @@ def run_requests(engine, recorder: RecordingDrafter, prompts: list[list[int]], m
 
 def encode_prompt(target, text: str, max_prompt_tokens: int) -> list[int]:
     """Token ids of a prompt, keeping its last `max_prompt_tokens` (the CPU budget)."""
-    from dspark.text import encode
+    from dspark.runtime.text import encode
 
     ids = encode(target.tokenizer, text)
     return ids[-max_prompt_tokens:] or [0]
@@ -242,7 +242,7 @@ def encode_prompt(target, text: str, max_prompt_tokens: int) -> list[int]:
 
 def split_prompts(domain: str, n: int, calibration: bool) -> list[str]:
     """Up to n prompts of a domain from one side of the deterministic calibration split."""
-    from dspark.prompts import load_prompt_set
+    from dspark.tools.prompts import load_prompt_set
 
     pool = load_prompt_set(domain, n * CALIBRATION_FRACTION * 3)
     texts = [p if isinstance(p, str) else p["prompt"] for p in pool]
@@ -278,7 +278,7 @@ def collect_calibration_trace(target, spec: str, args: argparse.Namespace) -> tu
     """Run a drafter at fixed γ on the held-out calibration prompts of every domain."""
     from tqdm import tqdm
 
-    from dspark.engine import SpecEngine
+    from dspark.runtime.engine import SpecEngine
 
     drafter, folder = build_drafter(spec, target, gamma=args.gamma)
     recorder = RecordingDrafter(drafter)
@@ -321,7 +321,7 @@ def main(args: argparse.Namespace) -> int:
             folder = None if spec.startswith("ngram") else Path(spec)
         else:
             if target is None:
-                from dspark.target import TargetEngine
+                from dspark.runtime.target import TargetEngine
 
                 max_seq_len = args.max_prompt_tokens + args.max_tokens + args.gamma + 8
                 target = TargetEngine.from_pretrained(args.target, capacity=args.concurrency,
@@ -337,7 +337,7 @@ def main(args: argparse.Namespace) -> int:
         else:
             payload.update({"sampling_temperature": args.temperature, "n_prompts_per_domain": args.n_prompts,
                             "max_tokens": args.max_tokens, "max_prompt_tokens": args.max_prompt_tokens,
-                            "split": "held-out calibration prompts (dspark.calibrate.is_calibration_prompt)",
+                            "split": "held-out calibration prompts (calibrate.is_calibration_prompt)",
                             "source_traces": f"results/traces/calibration_{name}.jsonl"})
         print(f"{name}: STS on {len(trace)} blocks, γ = {trace.gamma}")
         print(" k     T_k   ECE before  ECE after  AUROC before  AUROC after")

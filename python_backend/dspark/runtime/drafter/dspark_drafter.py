@@ -25,11 +25,11 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from dspark.drafter.context import SlotDrafter
-from dspark.drafter.heads import ConfidenceHead, make_head
-from dspark.interfaces import DraftBlock
-from dspark.model import RMSNorm, apply_rope, rope_cos_sin
-from dspark.sampling import SamplingParams, param_tensors, sample, sampling_probs
+from dspark.runtime.drafter.context import SlotDrafter
+from dspark.runtime.drafter.heads import ConfidenceHead, make_head
+from dspark.runtime.interfaces import DraftBlock
+from dspark.runtime.model import RMSNorm, apply_rope, rope_cos_sin
+from dspark.runtime.sampling import SamplingParams, param_tensors, sample, sampling_probs
 
 
 class JsonConfig:

@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 from dspark.paths import DEMO_DRAFTERS, DEMO_TARGET, RESULTS
-from dspark.sampling import SamplingParams
+from dspark.runtime.sampling import SamplingParams
 
 FALLBACK_PROMPTS = {
     "code": ["def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n",
@@ -31,18 +31,18 @@ FALLBACK_PROMPTS = {
 
 
 def load_prompts(domains: list[str], n: int) -> tuple[list[str], str]:
-    """n prompt texts per domain from `dspark.prompts` (fallback: a few built-in ones)."""
+    """n prompt texts per domain from `dspark.tools.prompts` (fallback: a few built-in ones)."""
     try:
-        from dspark.prompts import load_prompt_set
+        from dspark.tools.prompts import load_prompt_set
 
-        return [t for d in domains for t in load_prompt_set(d, n)], "dspark.prompts"
+        return [t for d in domains for t in load_prompt_set(d, n)], "dspark.tools.prompts"
     except (ImportError, FileNotFoundError, ValueError):
         return [t for d in domains for t in FALLBACK_PROMPTS.get(d, [])[:n]], "builtin"
 
 
 def find_draft_lm() -> Path | None:
     """The shipped standalone draft LM: a drafter folder whose config.json is a plain HF
-    config (no "kind"; see dspark.drafter.load_drafter_folder)."""
+    config (no "kind"; see dspark.runtime.drafter.load_drafter_folder)."""
     for folder in sorted(DEMO_DRAFTERS.glob("*/")) if DEMO_DRAFTERS.is_dir() else []:
         cfg = folder / "config.json"
         if cfg.is_file() and json.loads(cfg.read_text()).get("kind", "draft_lm") == "draft_lm":
@@ -59,7 +59,7 @@ def best_of(repeats: int, fn, *args, **kwargs) -> dict:
 def run_engine(target, drafter, policy, prompts: list[list[int]], batch: int, max_tokens: int,
                sts_temperatures=None) -> dict:
     """Run `prompts` through SpecEngine, `batch` requests at a time; tokens/s over the whole run."""
-    from dspark.engine import SpecEngine
+    from dspark.runtime.engine import SpecEngine
 
     engine = SpecEngine(target, drafter, policy if drafter is not None else None, sts_temperatures)
     engine.generate([prompts[0]], 4)  # warm-up (allocator, kernels), not timed
@@ -142,16 +142,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    from dspark.drafter import build_drafter, pad_temperatures, read_temperatures
-    from dspark.scheduler import make_policy
-    from dspark.sps import SPSTable
-    from dspark.target import TargetEngine
+    from dspark.runtime.drafter import build_drafter, pad_temperatures, read_temperatures
+    from dspark.runtime.scheduler import make_policy
+    from dspark.runtime.sps import SPSTable
+    from dspark.runtime.target import TargetEngine
 
     torch.set_num_threads(args.threads)
     batch_sizes = [int(b) for b in args.batch_sizes.split(",") if b]
     max_batch = max(batch_sizes + [1])
     if args.sps == "profile" and args.device == "cpu":  # the scheduler must see THIS machine's step cost
-        from dspark.profile_sps import profile
+        from dspark.bench.sps import profile
 
         sizes = [b for b in (1, 2, 4, 8, 16, 32, 64, 128, 256, 512) if b <= 2 * max_batch * (args.gamma + 1)]
         sps = profile(args.target, sizes, context=64, repeats=3, show_progress=False)

@@ -22,9 +22,9 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from dspark.batch import RaggedBatch
 from dspark.paths import DEMO_TARGET, RESULTS
-from dspark.sps import SPSTable
+from dspark.runtime.batch import RaggedBatch
+from dspark.runtime.sps import SPSTable
 
 DEFAULT_SIZES = [1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256, 320, 384, 448, 512]
 RANDOM_TARGET = Path("/tmp/dspark_random_qwen3_h384_l6_v8192")
@@ -56,7 +56,7 @@ def profile(target_path: str | Path, sizes: list[int], context: int = 256, token
             repeats: int = 5, warmup: int = 1, seed: int = 0, show_progress: bool = True) -> SPSTable:
     """Fastest of `repeats` verify() wall times per B -> SPSTable (on a shared machine other
     processes only ever add time, so the minimum is the step's own cost)."""
-    from dspark.target import TargetEngine
+    from dspark.runtime.target import TargetEngine
 
     max_requests = max(len(split_tokens(b, tokens_per_request)) for b in sizes)
     longest = max(max(split_tokens(b, tokens_per_request)) for b in sizes)

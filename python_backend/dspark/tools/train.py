@@ -105,16 +105,16 @@ def build_model(args, target_model, target_cfg, tap_layers: list[int]) -> nn.Mod
                   block_size=args.block_size, gamma=min(args.gamma, args.block_size),
                   tap_layers=list(tap_layers))
     if args.kind == "dspark":
-        from dspark.drafter.dspark_drafter import DSparkConfig, DSparkModel
+        from dspark.runtime.drafter.dspark_drafter import DSparkConfig, DSparkModel
 
         model = DSparkModel(DSparkConfig(**common, num_layers=args.layers, head=args.head,
                                          head_rank=args.head_rank))
     elif args.kind == "eagle":
-        from dspark.drafter.eagle import EagleConfig, EagleModel
+        from dspark.runtime.drafter.eagle import EagleConfig, EagleModel
 
         model = EagleModel(EagleConfig(**common))
     else:
-        from dspark.drafter.draft_lm import new_draft_lm
+        from dspark.runtime.drafter.draft_lm import new_draft_lm
 
         model, cfg = new_draft_lm(target_cfg, args.layers, args.intermediate, embed_weight=embed)
         model.config = cfg
@@ -126,7 +126,7 @@ def build_model(args, target_model, target_cfg, tap_layers: list[int]) -> nn.Mod
 
 def _mask_token_id(target_dir) -> int | None:
     """Id of "<|mask|>" in the target's tokenizer (the learned mask embedding starts there)."""
-    from dspark.loader import load_tokenizer
+    from dspark.runtime.loader import load_tokenizer
 
     tok = load_tokenizer(target_dir) if target_dir is not None else None
     return tok.token_to_id("<|mask|>") if tok is not None else None
@@ -259,7 +259,7 @@ def _dist_setup() -> tuple[int, int]:
 
 def main(args: argparse.Namespace) -> int:
     torch.set_num_threads(args.threads)
-    from dspark.loader import load_model
+    from dspark.runtime.loader import load_model
 
     if args.make_data:
         return _make_data(args)
@@ -272,7 +272,7 @@ def main(args: argparse.Namespace) -> int:
     lam = float(args.block_size) if args.decay_lambda == "gamma" else float(args.decay_lambda)
     torch.manual_seed(args.seed)
     target_model, target_cfg = load_model(args.target)
-    from dspark.train_data import load_data
+    from dspark.tools.train_data import load_data
 
     data = load_data(args.data, target_model)
     tap_layers = data.get("tap_layers") or list(target_model.tap_layers)
@@ -355,8 +355,8 @@ def main(args: argparse.Namespace) -> int:
 
 
 def _make_data(args) -> int:
-    from dspark.target import TargetEngine
-    from dspark.train_data import make_data
+    from dspark.runtime.target import TargetEngine
+    from dspark.tools.train_data import make_data
 
     target = TargetEngine.from_pretrained(args.target, capacity=args.gen_batch,
                                           max_seq_len=args.max_prompt + args.max_new + 1)
@@ -400,15 +400,15 @@ def _mean_lists(rows: list[list[float | None]]) -> list[float | None]:
 def _export(args, model, out: Path, summary: dict) -> None:
     dtype = getattr(torch, args.save_dtype)
     if args.kind == "dspark":
-        from dspark.drafter.dspark_drafter import save_dspark
+        from dspark.runtime.drafter.dspark_drafter import save_dspark
 
         save_dspark(model, out, dtype)
     elif args.kind == "eagle":
-        from dspark.drafter.eagle import save_eagle
+        from dspark.runtime.drafter.eagle import save_eagle
 
         save_eagle(model, out, dtype)
     else:
-        from dspark.drafter.draft_lm import save_draft_lm
+        from dspark.runtime.drafter.draft_lm import save_draft_lm
 
         tok = Path(args.target) / "tokenizer.json"
         save_draft_lm(model, model.config, out, tok if tok.is_file() else None, dtype, args.block_size)

@@ -15,14 +15,14 @@ from pathlib import Path
 
 import torch
 
-from dspark.batch import RaggedBatch
-from dspark.config import ModelConfig
-from dspark.drafter.dspark_drafter import draw_tokens, read_calibration
-from dspark.interfaces import DraftBlock
-from dspark.loader import save_pretrained
-from dspark.model import Transformer
-from dspark.sampling import SamplingParams, param_tensors, sampling_probs
-from dspark.target import TargetEngine
+from dspark.runtime.batch import RaggedBatch
+from dspark.runtime.config import ModelConfig
+from dspark.runtime.drafter.dspark_drafter import draw_tokens, read_calibration
+from dspark.runtime.interfaces import DraftBlock
+from dspark.runtime.loader import save_pretrained
+from dspark.runtime.model import Transformer
+from dspark.runtime.sampling import SamplingParams, param_tensors, sampling_probs
+from dspark.runtime.target import TargetEngine
 
 
 def new_draft_lm(target_cfg: ModelConfig, num_layers: int = 2, intermediate_size: int | None = None,

@@ -20,7 +20,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from dspark.sampling import SamplingParams
+from dspark.runtime.sampling import SamplingParams
 
 DOMAINS = ("code", "prose", "math")
 DATA_SAMPLING = SamplingParams(temperature=0.7, top_k=20, top_p=0.8)

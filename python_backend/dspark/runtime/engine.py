@@ -19,12 +19,12 @@ from dataclasses import dataclass, field
 
 import torch
 
-from dspark.batch import RaggedBatch
-from dspark.interfaces import DraftBlock, DrafterLike, TargetLike
-from dspark.sampling import SamplingParams, param_tensors, sample, sampling_probs
-from dspark.scheduler import make_policy, sts_survival
-from dspark.sps import SPSTable
-from dspark.verify import verify_ragged
+from dspark.runtime.batch import RaggedBatch
+from dspark.runtime.interfaces import DraftBlock, DrafterLike, TargetLike
+from dspark.runtime.sampling import SamplingParams, param_tensors, sample, sampling_probs
+from dspark.runtime.scheduler import make_policy, sts_survival
+from dspark.runtime.sps import SPSTable
+from dspark.runtime.verify import verify_ragged
 
 # on_tokens(request_id, new_ids, finished, reason): reason is None until finished, then one
 # of "stop" (stop token or string), "length" (max_tokens or max_seq_len), "cancelled".
@@ -88,7 +88,7 @@ class SpecEngine:
     def __init__(self, target: TargetLike, drafter: DrafterLike | None = None, policy=None,
                  sts_temperatures: Sequence[float] | None = None, max_batch_tokens: int = 4096,
                  decode: Callable[[list[int]], str] | None = None, sps: SPSTable | None = None) -> None:
-        """policy: a `dspark.scheduler` policy, a spec string ("none", "fixed:3", "dspark" with
+        """policy: a `dspark.runtime.scheduler` policy, a spec string ("none", "fixed:3", "dspark" with
         `sps`, ...) or None (plain). decode: token ids -> text, used only for stop strings
         (default: the target tokenizer's decode)."""
         self.target, self.drafter = target, drafter

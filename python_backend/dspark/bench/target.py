@@ -16,9 +16,9 @@ from pathlib import Path
 import torch
 
 from dspark import paths
-from dspark.batch import RaggedBatch
-from dspark.sampling import SamplingParams
-from dspark.target import TargetEngine
+from dspark.runtime.batch import RaggedBatch
+from dspark.runtime.sampling import SamplingParams
+from dspark.runtime.target import TargetEngine
 
 PROMPT_TEXTS = [
     "The quick brown fox jumps over the lazy dog while the farmer watches from the porch.",

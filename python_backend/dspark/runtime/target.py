@@ -1,5 +1,5 @@
 """The in-process target engine (DESIGN §4): our transformer + a fixed-slot KV cache,
-implementing `dspark.interfaces.TargetLike` (prefill, ragged verify, slot management)
+implementing `dspark.runtime.interfaces.TargetLike` (prefill, ragged verify, slot management)
 plus plain batched decoding (`generate`) as the non-speculative baseline."""
 
 from __future__ import annotations
@@ -9,12 +9,12 @@ from pathlib import Path
 
 import torch
 
-from dspark.batch import RaggedBatch
-from dspark.config import ModelConfig
-from dspark.kv_cache import KVCache
-from dspark.loader import load_model, load_tokenizer
-from dspark.model import Transformer, build_attn_meta
-from dspark.sampling import SamplingParams, param_tensors, sample, sampling_probs
+from dspark.runtime.batch import RaggedBatch
+from dspark.runtime.config import ModelConfig
+from dspark.runtime.kv_cache import KVCache
+from dspark.runtime.loader import load_model, load_tokenizer
+from dspark.runtime.model import Transformer, build_attn_meta
+from dspark.runtime.sampling import SamplingParams, param_tensors, sample, sampling_probs
 
 PREFILL_PADDED_TOKENS = 4096  # prefill batches requests while R * longest prompt stays under this
 

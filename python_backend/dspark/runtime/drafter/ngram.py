@@ -3,7 +3,7 @@ followed the most recent earlier occurrence of the longest suffix (n down to min
 of the request's own sequence (prompt + accepted tokens + anchor).
 
 Proposals are deterministic, so the exact draft distribution is one-hot on each proposed
-token: it returns `probs=None`, which `dspark.verify` reads as one-hot (lossless at any
+token: it returns `probs=None`, which `dspark.runtime.verify` reads as one-hot (lossless at any
 temperature: a rejected token is resampled from p_t with that token removed). Confidence
 logits are high when a match was found (more so for longer matches) and low otherwise,
 so threshold / DSpark policies verify lookups and skip guesses. Defaults give ĉ ≈ 0.44 /
@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import torch
 
-from dspark.interfaces import DraftBlock
-from dspark.sampling import SamplingParams
+from dspark.runtime.interfaces import DraftBlock
+from dspark.runtime.sampling import SamplingParams
 
 
 class NGramDrafter:

@@ -12,11 +12,11 @@ from pathlib import Path
 import torch
 
 from dspark import paths
-from dspark.engine import SpecEngine
-from dspark.sampling import SamplingParams
-from dspark.sps import SPSTable
-from dspark.target import TargetEngine
-from dspark.text import IncrementalDetokenizer, encode
+from dspark.runtime.engine import SpecEngine
+from dspark.runtime.sampling import SamplingParams
+from dspark.runtime.sps import SPSTable
+from dspark.runtime.target import TargetEngine
+from dspark.runtime.text import IncrementalDetokenizer, encode
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -47,7 +47,7 @@ def _sps(spec: str | None) -> SPSTable:
 
 
 def main(args: argparse.Namespace) -> int:
-    from dspark.drafter import build_drafter, pad_temperatures, read_temperatures
+    from dspark.runtime.drafter import build_drafter, pad_temperatures, read_temperatures
 
     folder = Path(args.model)
     if not (folder / "config.json").is_file():

@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 
 from dspark import paths
-from dspark.triton_server import TritonServer
+from dspark.serving.triton_server import TritonServer
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import threading
 
-from dspark.engine import EngineMetrics
+from dspark.runtime.engine import EngineMetrics
 
 PREFIX = "dspark_"
 COUNTERS = {  # name -> (EngineMetrics attribute or per-position list summed, description)

@@ -16,8 +16,8 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from tokenizers import Tokenizer
 
-from dspark.config import ModelConfig, rope_inv_freq
-from dspark.model import Transformer
+from dspark.runtime.config import ModelConfig, rope_inv_freq
+from dspark.runtime.model import Transformer
 
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)  # old checkpoints store RoPE tables; we recompute them
 

@@ -1,12 +1,12 @@
-"""Drafters (DESIGN §5), all implementing `dspark.interfaces.DrafterLike`."""
+"""Drafters (DESIGN §5), all implementing `dspark.runtime.interfaces.DrafterLike`."""
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
 
-from dspark.drafter.dspark_drafter import read_calibration
-from dspark.drafter.ngram import NGramDrafter
+from dspark.runtime.drafter.dspark_drafter import read_calibration
+from dspark.runtime.drafter.ngram import NGramDrafter
 
 
 def load_drafter(spec: str, target=None, gamma: int = 7):
@@ -26,13 +26,13 @@ def load_drafter_folder(folder: str | Path, target, gamma: int | None = None):
     cfg = json.loads((Path(folder) / "config.json").read_text())
     kind = cfg.get("kind", "draft_lm" if "model_type" in cfg else None)
     if kind == "dspark":
-        from dspark.drafter.dspark_drafter import load_dspark
+        from dspark.runtime.drafter.dspark_drafter import load_dspark
         return load_dspark(folder, target, gamma=gamma)
     if kind == "eagle":
-        from dspark.drafter.eagle import load_eagle
+        from dspark.runtime.drafter.eagle import load_eagle
         return load_eagle(folder, target, gamma=gamma)
     if kind == "draft_lm":
-        from dspark.drafter.draft_lm import load_draft_lm
+        from dspark.runtime.drafter.draft_lm import load_draft_lm
         return load_draft_lm(folder, target, gamma=7 if gamma is None else gamma)
     raise ValueError(f"{folder}/config.json: unknown drafter kind {kind!r} (dspark | eagle | draft_lm)")
 

@@ -26,8 +26,8 @@ from pathlib import Path
 
 import torch
 
-from dspark.sampling import SamplingParams
-from dspark.verify import verify_ragged
+from dspark.runtime.sampling import SamplingParams
+from dspark.runtime.verify import verify_ragged
 
 P_TARGET = (0.7, 0.3)
 P_DRAFT = (0.5, 0.5)
@@ -58,7 +58,7 @@ def retrospective_lengths(survival: torch.Tensor) -> torch.Tensor:
 
 
 def policy_lengths(spec: str, survival: torch.Tensor) -> torch.Tensor:
-    """ℓ per step for a built-in spec or a dspark.scheduler policy (one request per step, run
+    """ℓ per step for a built-in spec or a dspark.runtime.scheduler policy (one request per step, run
     in order so history-based policies see steps t−1, t−2 as in serving)."""
     num = survival.shape[0]
     if spec == "retrospective":
@@ -67,8 +67,8 @@ def policy_lengths(spec: str, survival: torch.Tensor) -> torch.Tensor:
         return torch.zeros(num, dtype=torch.int64)
     if spec.startswith("fixed:"):
         return torch.full((num,), min(int(spec.split(":")[1]), GAMMA), dtype=torch.int64)
-    from dspark.scheduler import make_policy
-    from dspark.sps import SPSTable
+    from dspark.runtime.scheduler import make_policy
+    from dspark.runtime.sps import SPSTable
 
     sps = SPSTable(list(SPS_TABLE), list(SPS_TABLE.values()), device="appendix-a", model="appendix-a")
     policy = make_policy(spec, sps=sps, gamma=GAMMA, max_batch_tokens=1 + GAMMA)
@@ -111,9 +111,9 @@ def run(samples: int, seed: int, policies: list[str]) -> dict:
 
 def available_policies() -> list[str]:
     try:
-        import dspark.scheduler  # noqa: F401
+        import dspark.runtime.scheduler  # noqa: F401
     except ModuleNotFoundError:
-        return list(BUILTIN)  # hook: scheduler policies join once dspark.scheduler exists
+        return list(BUILTIN)  # hook: scheduler policies join once dspark.runtime.scheduler exists
     return list(BUILTIN) + list(SCHEDULER)
 
 

@@ -19,17 +19,17 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from dspark.drafter.context import SlotDrafter
-from dspark.drafter.dspark_drafter import (
+from dspark.runtime.drafter.context import SlotDrafter
+from dspark.runtime.drafter.dspark_drafter import (
     JsonConfig,
     draw_tokens,
     read_calibration,
     rope_inv_freq_plain,
     shared_weights,
 )
-from dspark.interfaces import DraftBlock
-from dspark.model import RMSNorm, apply_rope, rope_cos_sin
-from dspark.sampling import SamplingParams, param_tensors, sampling_probs
+from dspark.runtime.interfaces import DraftBlock
+from dspark.runtime.model import RMSNorm, apply_rope, rope_cos_sin
+from dspark.runtime.sampling import SamplingParams, param_tensors, sampling_probs
 
 
 @dataclass

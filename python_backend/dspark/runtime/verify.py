@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
-from dspark.sampling import SamplingParams, param_tensors, sampling_probs
+from dspark.runtime.sampling import SamplingParams, param_tensors, sampling_probs
 
 # Residual mass at or below this counts as zero: fall back to p_t (DESIGN §6).
 ZERO_MASS = 1e-6

@@ -6,7 +6,7 @@ blocks are exactly what batch 1 gives; `--concurrency` only packs requests into 
 forward for CPU efficiency) and measures τ (bonus included), per-position conditional
 acceptance, calibration (ECE / AUROC of the STS survival, before and after the drafter's
 stored temperatures) and a threshold sweep replayed from the recorded blocks. Eval prompts
-exclude the calibration split (`dspark.calibrate.is_calibration_prompt`). Writes
+exclude the calibration split (`dspark.tools.calibrate.is_calibration_prompt`). Writes
 results/offline_eval.json, results/acceptance_by_position.png, results/threshold_sweep.png
 and the acceptance traces results/traces/<drafter>.jsonl."""
 
@@ -22,10 +22,10 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from dspark import calibrate as cal
-from dspark.metrics import conditional_acceptance, ece, sigmoid, survival, tau
 from dspark.paths import DEMO_DRAFTERS, DEMO_TARGET, RESULTS
-from dspark.sampling import SamplingParams
+from dspark.runtime.sampling import SamplingParams
+from dspark.tools import calibrate as cal
+from dspark.tools.metrics import conditional_acceptance, ece, sigmoid, survival, tau
 
 DOMAINS = ("code", "math", "prose")
 THRESHOLDS = [round(0.05 * i, 2) for i in range(20)] + [0.97, 0.99]
@@ -92,7 +92,7 @@ def ece_noise_floor(trace: cal.BlockTrace, temperatures: list[float] | None, dra
 
 def load_eval_prompts(domains: tuple[str, ...], n: int, prompts_file: str | None) -> dict[str, list[str]]:
     """Domain -> eval prompt texts (the non-calibration split), or {"custom": file prompts}."""
-    from dspark import prompts as prompt_sets
+    from dspark.tools import prompts as prompt_sets
 
     if prompts_file:
         return {"custom": list(prompt_sets.load_prompts_jsonl(prompts_file))[:n]}
@@ -140,7 +140,7 @@ def evaluate_drafter(target, name: str, prompts: dict[str, list[list[int]]], gam
     (target_id names the target's weights, see weights_id); on_run(out) is called after
     each new run. -> {"folder", "runs": {(γ, T, domain): {"gamma_effective", "requests":
     [per-request blocks], "wall_s", "models"}}} (existing runs of other settings kept too)."""
-    from dspark.engine import SpecEngine
+    from dspark.runtime.engine import SpecEngine
 
     out: dict = {"folder": None, "runs": dict(existing["runs"]) if existing else {}}
     for temp in temperatures:
@@ -313,11 +313,11 @@ def read_runs(path: Path) -> dict:
 
 def write_sim_traces(traces_dir: Path, drafter: str, result: dict, domains: list[str],
                      target: str) -> list[Path]:
-    """Acceptance traces in the simulator's format (dspark.traces): per (γ, T) a file
+    """Acceptance traces in the simulator's format (dspark.tools.traces): per (γ, T) a file
     <drafter>_gamma<γ>_T<T>.jsonl, and <drafter>.jsonl for the largest γ at T = 1. Only
     blocks whose γ positions were all verified are written (the format's `accepted` is
     the accepted length under full verification; a request's last block may be capped)."""
-    from dspark.traces import save_traces
+    from dspark.tools.traces import save_traces
 
     sts = cal.read_temperatures(result.get("folder"))
     configs = sorted({(g, t) for (g, t, d) in result["runs"] if d in domains})
@@ -428,7 +428,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def main(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
-    from dspark.target import TargetEngine
+    from dspark.runtime.target import TargetEngine
 
     torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)

@@ -1,7 +1,7 @@
 """`dspark simulate`: serving simulator over scheduler policies (DESIGN §7, §9).
 
 Each engine step: the active requests' next drafted blocks come from drafter traces
-(`dspark.traces`: recorded JSONL, or synthetic with per-position decay); the policy picks
+(`dspark.tools.traces`: recorded JSONL, or synthetic with per-position decay); the policy picks
 ℓ_r; the step takes 1 / SPS(B = Σ(1 + ℓ_r)) seconds; request r gains min(accepted, ℓ_r) + 1
 tokens (capped by what it may still emit). Closed loop: `concurrency` requests always
 active, a finished one is replaced at once. Poisson: arrivals at a rate, at most
@@ -32,9 +32,9 @@ import torch
 from tqdm import tqdm
 
 from dspark.paths import RESULTS
-from dspark.scheduler import make_policy
-from dspark.sps import SPSTable
-from dspark.traces import TraceSet, load_traces, synthetic_trace_set
+from dspark.runtime.scheduler import make_policy
+from dspark.runtime.sps import SPSTable
+from dspark.tools.traces import TraceSet, load_traces, synthetic_trace_set
 
 DEFAULT_POLICIES = ["none", "mtp1", "fixed:3", "fixed:7", "threshold:0.6", "dspark-theory", "dspark"]
 DEFAULT_CONCURRENCY = [1, 2, 4, 8, 16, 32, 64, 128, 256]
@@ -282,7 +282,7 @@ def sweep(tables: dict[str, SPSTable], traces: TraceSet, policies: list[str], le
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--traces", default=None, help="recorded drafter traces (JSONL, see dspark.traces); "
+    p.add_argument("--traces", default=None, help="recorded drafter traces (JSONL, see dspark.tools.traces); "
                    "default: synthetic traces with per-position decay")
     p.add_argument("--sps", action="append", default=None,
                    help="NAME=PATH of an sps.json, or 'gpu_shaped' (repeatable; default: "
@@ -343,7 +343,7 @@ def main(args: argparse.Namespace) -> int:
                "goals": summarise(results, metric="per_user_tps" if args.poisson else "aggregate_tps"),
                "wall_s": time.perf_counter() - t0}
     if args.bench_decide:
-        from dspark.scheduler import bench_decide
+        from dspark.bench.scheduler import bench_decide
 
         summary["decide_bench"] = bench_decide()
     stem = out.with_suffix("")

@@ -24,7 +24,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from dspark.scheduler import sts_survival
+from dspark.runtime.scheduler import sts_survival
 
 
 @dataclass

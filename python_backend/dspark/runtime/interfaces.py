@@ -1,5 +1,5 @@
 """The two contracts the engine loop talks to (DESIGN §2). The in-process engine passes
-`dspark.target.TargetEngine` and a drafter from `dspark.drafter`; inside Triton the BLS
+`dspark.runtime.target.TargetEngine` and a drafter from `dspark.runtime.drafter`; inside Triton the BLS
 model passes thin stubs that forward the same calls to the `target` / `drafter` models."""
 
 from __future__ import annotations
@@ -9,8 +9,8 @@ from typing import Protocol
 
 import torch
 
-from dspark.batch import RaggedBatch
-from dspark.sampling import SamplingParams
+from dspark.runtime.batch import RaggedBatch
+from dspark.runtime.sampling import SamplingParams
 
 
 class TargetLike(Protocol):

@@ -3,7 +3,7 @@
 Two forwards share the same weights:
 - `forward_train(tokens [B,T])`: plain causal, autograd-friendly (demo-model and drafter training).
 - `forward_ragged(...)`: the serving forward over a flattened ragged batch that reads and
-  writes the fixed-slot KV cache (`dspark.kv_cache`), returning logits and the taps
+  writes the fixed-slot KV cache (`dspark.runtime.kv_cache`), returning logits and the taps
   (hidden states after `tap_layers`) the drafter conditions on.
 """
 
@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dspark.config import ModelConfig, rope_inv_freq
+from dspark.runtime.config import ModelConfig, rope_inv_freq
 
 
 def default_tap_layers(num_layers: int, num_taps: int = 3) -> list[int]:
