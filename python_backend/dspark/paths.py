@@ -12,3 +12,6 @@ DEMO = REPO_ROOT / "build" / "demo"
 DEMO_TARGET = Path(os.environ.get("DSPARK_TARGET", DEMO / "target"))
 DEMO_DRAFTERS = DEMO / "drafters"
 MODEL_REPOSITORY = REPO_ROOT / "model_repository"
+# Downloaded and converted models (git-ignored): `dspark fetch-model`, run by `make setup`.
+MODELS = Path(os.environ.get("DSPARK_MODELS", REPO_ROOT / "models"))
+SMOLLM2 = MODELS / "smollm2-135m-instruct"
