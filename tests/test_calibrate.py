@@ -11,7 +11,7 @@ from dspark.tools.calibrate import (
     fit_sts,
     is_calibration_prompt,
     plot_reliability,
-    read_temperatures,
+    read_calibration,
     write_calibration,
 )
 
@@ -65,9 +65,9 @@ def test_from_rows_and_calibration_file_roundtrip(tmp_path):
             {"conf_logits": [0.5, 0.5], "n_accepted": 0}]
     t = BlockTrace.from_rows(rows)
     assert t.gamma == 2 and len(t) == 2 and t.n_verified.tolist() == [2, 2]
-    assert read_temperatures(tmp_path) is None
+    assert read_calibration(tmp_path) is None
     write_calibration(tmp_path, {"sts_temperatures": [1.5, 2.5]})
-    assert read_temperatures(tmp_path) == [1.5, 2.5]
+    assert read_calibration(tmp_path) == [1.5, 2.5]
     assert json.loads((tmp_path / "calibration.json").read_text())["sts_temperatures"] == [1.5, 2.5]
 
 

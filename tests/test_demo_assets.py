@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from dspark.paths import DEMO_TARGET
+from dspark.runtime.engine import SpecEngine
 
 pytestmark = pytest.mark.skipif(not (DEMO_TARGET / "model.safetensors").is_file(),
                                 reason=f"no demo target at {DEMO_TARGET} (build it with `make demo-assets`)")
@@ -57,7 +58,7 @@ def test_target_engine_greedy_matches_full_forward():
 
     engine = TargetEngine.from_pretrained(DEMO_TARGET, capacity=1, max_seq_len=128)
     ids = engine.tokenizer.encode(PROMPT).ids
-    out = engine.generate([ids], max_new_tokens=8, stop_token_ids=[])[0]
+    out = SpecEngine(engine).generate([ids], 8, stop_token_ids=[])[0]
     assert len(out) == 8
     seq = list(ids)
     with torch.no_grad():

@@ -20,6 +20,7 @@ from dspark.runtime.drafter.dspark_drafter import (
     shared_weights,
 )
 from dspark.runtime.drafter.eagle import EagleConfig, EagleDrafter, EagleModel, save_eagle
+from dspark.runtime.engine import SpecEngine
 from dspark.runtime.sampling import SamplingParams, param_tensors, sampling_probs
 from dspark.runtime.target import TargetEngine
 
@@ -234,11 +235,12 @@ def test_draft_lm_interface_matches_its_own_greedy_decoding(target, tmp_path):
     start_all(d, prompts, taps, [0, 1])
     blk = d.propose([0, 1], torch.tensor([5, 9]), MIXED, [None, MIXED[1].generator()])
     assert blk.tokens.shape == (2, 4) and torch.allclose(blk.probs.sum(-1), torch.ones(2, 4), atol=1e-5)
-    plain = d.engine.generate([prompts[0] + [5]], 4)[0]  # greedy row = the draft model's own greedy output
+    plain = SpecEngine(d.engine).generate([prompts[0] + [5]], 4)[0]  # greedy row = the draft LM's greedy
     assert blk.tokens[0].tolist() == plain
     d.extend([0], [torch.tensor([5, plain[0]])], [None])
     nxt = d.propose([0], torch.tensor([plain[1]]), MIXED[:1], [None])
-    assert nxt.tokens[0].tolist() == plain[2:4] + d.engine.generate([prompts[0] + [5] + plain[:4]], 2)[0]
+    more = SpecEngine(d.engine).generate([prompts[0] + [5] + plain[:4]], 2)[0]
+    assert nxt.tokens[0].tolist() == plain[2:4] + more
     d.release(0)
     d.release(1)
     assert d.engine.num_free_slots() == 4
@@ -257,7 +259,6 @@ def test_draft_lm_folder_loads_in_transformers(target, tmp_path):
 
 @pytest.mark.parametrize("kind", ["dspark-markov", "dspark-none", "eagle", "draft_lm"])
 def test_greedy_speculative_output_equals_plain_decoding(target, tmp_path, kind):
-    engine_mod = pytest.importorskip("dspark.runtime.engine")
     if kind == "eagle":
         drafter = make_eagle(target)
     elif kind == "draft_lm":
@@ -265,8 +266,8 @@ def test_greedy_speculative_output_equals_plain_decoding(target, tmp_path, kind)
     else:
         drafter = make_dspark(target, kind.split("-")[1])
     prompts, _ = prompts_and_taps(target)
-    plain = target.generate(prompts, 20)
-    eng = engine_mod.SpecEngine(target, drafter, policy="fixed:3")
+    plain = SpecEngine(target).generate(prompts, 20)
+    eng = SpecEngine(target, drafter, policy="fixed:3")
     spec = eng.generate(prompts, 20)
     assert eng.metrics.drafter_fallbacks == 0
     assert spec == plain

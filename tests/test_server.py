@@ -22,6 +22,7 @@ import pytest
 import tritonclient.grpc as grpcclient
 
 from dspark.paths import MODEL_REPOSITORY, REPO_ROOT
+from dspark.runtime.engine import SpecEngine
 from dspark.runtime.target import TargetEngine
 from dspark.runtime.text import decode, encode, load_tokenizer
 from dspark.serving.triton_server import TritonServer, prepare_backend_dir
@@ -50,7 +51,7 @@ client = load_client()
 def greedy_texts(ckpt: Path) -> dict[int, str]:
     """In-process greedy decoding of PROMPT, as text after n tokens: what the server must return."""
     engine = TargetEngine.from_pretrained(ckpt, capacity=1, max_seq_len=MAX_SEQ_LEN)
-    ids = engine.generate([encode(engine.tokenizer, PROMPT)], LONG_TOKENS)[0]
+    ids = SpecEngine(engine).generate([encode(engine.tokenizer, PROMPT)], LONG_TOKENS)[0]
     return {n: decode(engine.tokenizer, ids[:n]) for n in range(1, LONG_TOKENS + 1)}
 
 
@@ -59,10 +60,10 @@ def served(tiny_ckpt):
     """(running server, expected text); the reference decode runs while the server loads.
     The synthetic GPU-shaped SPS table makes verification nearly free, so the DSpark policy
     verifies drafts whatever results/sps_cpu.json holds."""
-    env = {"DSPARK_TARGET": str(tiny_ckpt), "DSPARK_CAPACITY": str(CAPACITY),
+    env = {"DSPARK_MODEL": str(tiny_ckpt), "DSPARK_CAPACITY": str(CAPACITY),
            "DSPARK_MAX_SEQ_LEN": str(MAX_SEQ_LEN), "DSPARK_NUM_THREADS": "1", "DSPARK_DEVICE": "cpu",
            "DSPARK_DRAFTER": "ngram", "DSPARK_POLICY": "dspark", "DSPARK_GAMMA": str(GAMMA),
-           "DSPARK_SPS": "gpu_shaped"}
+           "DSPARK_SPS": "gpu_shaped", "DSPARK_DTYPE": "fp32"}
     srv = TritonServer(MODEL_REPOSITORY, http_port=0, grpc_port=0, metrics_port=0, host="127.0.0.1", env=env)
     srv.start()
     try:
@@ -300,9 +301,9 @@ def test_engine_failure_fails_pending_requests_once_and_keeps_serving(tmp_path, 
     shutil.copytree(MODEL_REPOSITORY, repo, ignore=shutil.ignore_patterns("__pycache__"))
     model_py = repo / "dspark" / "1" / "model.py"
     model_py.write_text(model_py.read_text() + FAULT_INJECTION)
-    env = {"DSPARK_TARGET": str(tiny_ckpt), "DSPARK_CAPACITY": str(CAPACITY),
+    env = {"DSPARK_MODEL": str(tiny_ckpt), "DSPARK_CAPACITY": str(CAPACITY),
            "DSPARK_MAX_SEQ_LEN": str(MAX_SEQ_LEN), "DSPARK_NUM_THREADS": "1", "DSPARK_DEVICE": "cpu",
-           "DSPARK_DRAFTER": "ngram", "DSPARK_SPS": "gpu_shaped"}
+           "DSPARK_DRAFTER": "ngram", "DSPARK_SPS": "gpu_shaped", "DSPARK_DTYPE": "fp32"}
     # After concurrent requests fail together, tritonserver 2.51's ensemble sometimes keeps one
     # in-flight count (our model answered each exactly once: pending_requests is 0), so a
     # graceful stop would wait the whole default 30 s exit timeout.

@@ -12,6 +12,7 @@ from tiny import load_hf, make_tiny_checkpoint
 
 from dspark.runtime.batch import RaggedBatch
 from dspark.runtime.config import ModelConfig
+from dspark.runtime.engine import SpecEngine
 from dspark.runtime.loader import load_model, save_pretrained
 from dspark.runtime.model import Transformer, default_tap_layers
 from dspark.runtime.sampling import SamplingParams
@@ -134,10 +135,10 @@ def test_greedy_generate_batch1_equals_batch4_equals_transformers(tiny_ckpt):
     engine = TargetEngine.from_pretrained(tiny_ckpt, capacity=4, max_seq_len=96)
     prompts = [_tokens(n, seed=10 + n).tolist() for n in (5, 9, 14, 3)]
     n_new = 12
-    batch4 = engine.generate(prompts, n_new, SamplingParams(), stop_token_ids=[])
+    batch4 = SpecEngine(engine).generate(prompts, n_new, SamplingParams(), stop_token_ids=[])
     assert engine.num_free_slots() == 4
     for prompt, got in zip(prompts, batch4):
-        alone = engine.generate([prompt], n_new, SamplingParams(), stop_token_ids=[])[0]
+        alone = SpecEngine(engine).generate([prompt], n_new, SamplingParams(), stop_token_ids=[])[0]
         with torch.no_grad():
             ref = hf.generate(torch.tensor([prompt]), max_new_tokens=n_new, do_sample=False,
                               eos_token_id=None, pad_token_id=1)
@@ -152,7 +153,7 @@ def test_generate_cli_streams_text(tiny_ckpt, capsys):
     out = capsys.readouterr()
     assert "tokens/s" in out.err and out.out.endswith("\n")
     assert main(["generate", "--model", str(tiny_ckpt / "missing")]) == 2
-    assert "make demo-assets" in capsys.readouterr().err
+    assert "no config.json" in capsys.readouterr().err
 
 
 def test_generate_cli_speculative_equals_plain_greedy(tiny_ckpt, capsys):

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from dspark.runtime.batch import RaggedBatch
+from dspark.runtime.engine import SpecEngine
 from dspark.runtime.sampling import SamplingParams
 from dspark.runtime.target import TargetEngine
 
@@ -100,43 +101,40 @@ def test_rollback_equals_cache_of_accepted_tokens(engine):
         engine.release(b)
 
 
-def test_generate_streams_and_releases(engine):
-    prompts = [_seq(4, seed=s) for s in range(8)]  # more prompts than slots: two waves
-    streamed: dict[int, list[int]] = {}
-    out = engine.generate(prompts, 6, SamplingParams(), stop_token_ids=[],
-                          on_tokens=lambda i, toks: streamed.setdefault(i, []).extend(toks))
-    assert all(len(o) == 6 for o in out)
-    assert streamed == dict(enumerate(out))
+def test_plain_decoding_streams_and_releases(engine):
+    """Plain decoding = the engine loop with no drafter; more prompts than slots run as they free up."""
+    plain = SpecEngine(engine)
+    prompts = [_seq(4, seed=s) for s in range(8)]
+    streamed: dict[str, list[int]] = {}
+    reqs = [plain.add_request(p, 6, stop_token_ids=[],
+                              on_tokens=lambda rid, toks, fin, why: streamed.setdefault(rid, []).extend(toks))
+            for p in prompts]
+    plain.run_until_done()
+    assert all(len(r.output) == 6 for r in reqs)
+    assert streamed == {r.request_id: r.output for r in reqs}
     assert engine.num_free_slots() == engine.cache.capacity
 
 
-def test_generate_seeded_sampling_is_reproducible(engine):
+def test_plain_seeded_sampling_is_reproducible(engine):
+    plain = SpecEngine(engine)
     prompts = [_seq(5, seed=s) for s in range(3)]
     params = [SamplingParams(temperature=1.0, top_k=20, top_p=0.9, seed=s) for s in range(3)]
-    first = engine.generate(prompts, 6, params, stop_token_ids=[])
-    assert first == engine.generate(prompts, 6, params, stop_token_ids=[])
-    mixed = engine.generate(prompts, 6, [SamplingParams()] + params[1:], stop_token_ids=[])
+    first = plain.generate(prompts, 6, params, stop_token_ids=[])
+    assert first == plain.generate(prompts, 6, params, stop_token_ids=[])
+    mixed = plain.generate(prompts, 6, [SamplingParams()] + params[1:], stop_token_ids=[])
     assert mixed[1:] == first[1:]  # a request's tokens depend on its own generator only
-    assert mixed[0] == engine.generate(prompts[:1], 6, SamplingParams(), stop_token_ids=[])[0]
+    assert mixed[0] == plain.generate(prompts[:1], 6, SamplingParams(), stop_token_ids=[])[0]
 
 
-def test_generate_stops_at_stop_token_and_at_full_slot(engine):
+def test_plain_stops_at_stop_token_and_at_full_slot(engine):
+    plain = SpecEngine(engine)
     prompt = _seq(6, seed=4)
-    free_run = engine.generate([prompt], 12, SamplingParams(), stop_token_ids=[])[0]
+    free_run = plain.generate([prompt], 12, SamplingParams(), stop_token_ids=[])[0]
     stop_tok = free_run[4]
-    stopped = engine.generate([prompt], 12, SamplingParams(), stop_token_ids=[stop_tok])[0]
+    stopped = plain.generate([prompt], 12, SamplingParams(), stop_token_ids=[stop_tok])[0]
     assert stopped == free_run[:free_run.index(stop_tok) + 1]
     long_prompt = _seq(60, seed=5)  # max_seq_len 64: 4 more cached tokens, so 5 generated
-    assert len(engine.generate([long_prompt], 50, SamplingParams(), stop_token_ids=[])[0]) == 5
-
-
-def test_generate_releases_slots_on_exception(engine):
-    def boom(i, toks):
-        raise KeyboardInterrupt("client went away")
-
-    with pytest.raises(KeyboardInterrupt):
-        engine.generate([_seq(3, seed=0)] * 2, 5, SamplingParams(), on_tokens=boom)
-    assert engine.num_free_slots() == engine.cache.capacity
+    assert len(plain.generate([long_prompt], 50, SamplingParams(), stop_token_ids=[])[0]) == 5
 
 
 def test_prefill_groups_bound_padding_and_match(engine, monkeypatch):

@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from dspark.runtime.drafter import load_drafter
+from dspark.runtime.engine import SpecEngine
 from dspark.runtime.sampling import SamplingParams
 from dspark.runtime.target import TargetEngine
 from dspark.tools import train
@@ -61,7 +62,7 @@ def test_make_data_is_target_sampled_with_a_loss_mask(tiny_ckpt, data_dir):
     target = TargetEngine.from_pretrained(tiny_ckpt, capacity=1, max_seq_len=64)
     prompt = data["tokens"][0, :first[0]].tolist()
     gen = data["tokens"][0][m[0]].tolist()
-    again = target.generate([prompt], 20, SamplingParams(0.7, 20, 0.8, seed=0))[0]
+    again = SpecEngine(target).generate([prompt], 20, SamplingParams(0.7, 20, 0.8, seed=0))[0]
     assert again == gen
 
 
@@ -77,7 +78,7 @@ def test_t1_share_continues_that_share_of_prompts_at_plain_t1(tiny_ckpt, data_di
         m = data["loss_mask"][row]
         prompt = data["tokens"][row, :int(m.long().argmax())].tolist()
         params = SamplingParams(1.0, seed=row) if hot else SamplingParams(0.7, 20, 0.8, seed=row)
-        assert one.generate([prompt], 20, params)[0] == data["tokens"][row][m].tolist()
+        assert SpecEngine(one).generate([prompt], 20, params)[0] == data["tokens"][row][m].tolist()
     with pytest.raises(ValueError, match="t1_share"):
         make_data(target, data_dir.parent, tmp_path / "bad", n_per_domain=1, max_new=4, min_prompt=4,
                   max_prompt=5, t1_share=1.5)

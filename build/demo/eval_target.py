@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from dspark.paths import DEMO_TARGET, RESULTS
+from dspark.runtime.engine import SpecEngine
 from dspark.runtime.loader import load_model
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -68,7 +69,7 @@ def greedy_samples(target_dir: Path, n_code: int, max_new: int) -> list[dict]:
     prompts += [("math", p) for p in load_prompt_set("math", 2)]
     prompts += [("prose", p) for p in load_prompt_set("prose", 1)]
     ids = [tok.encode(p).ids for _, p in prompts]
-    outs = engine.generate(ids, max_new)
+    outs = SpecEngine(engine).generate(ids, max_new)
     return [{"domain": d, "prompt": p, "greedy_continuation": tok.decode(o, skip_special_tokens=True),
              "new_tokens": len(o)} for (d, p), o in zip(prompts, outs)]
 

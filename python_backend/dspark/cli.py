@@ -8,7 +8,7 @@ import importlib
 import sys
 
 COMMANDS: dict[str, tuple[str, str]] = {
-    "fetch-model": ("dspark.tools.fetch_model", "fetch and convert the default model (SmolLM2-135M-Instruct)"),
+    "fetch-model": ("dspark.tools.fetch_model", "fetch + convert the default model (SmolLM2-135M-Instruct)"),
     "generate": ("dspark.tools.generate", "stream a continuation from the shipped (or given) model"),
     "serve": ("dspark.serving.serve", "start tritonserver on the model repository"),
     "bench-target": ("dspark.bench.target", "plain decode tokens/s: ours vs transformers"),

@@ -9,9 +9,11 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 RESULTS = REPO_ROOT / "results"
 DEMO = REPO_ROOT / "build" / "demo"
 # The shipped demo target (a Hugging Face folder) and drafters, made by `make demo-assets`.
-DEMO_TARGET = Path(os.environ.get("DSPARK_TARGET", DEMO / "target"))
+DEMO_TARGET = DEMO / "target"
 DEMO_DRAFTERS = DEMO / "drafters"
 MODEL_REPOSITORY = REPO_ROOT / "model_repository"
 # Downloaded and converted models (git-ignored): `dspark fetch-model`, run by `make setup`.
 MODELS = Path(os.environ.get("DSPARK_MODELS", REPO_ROOT / "models"))
 SMOLLM2 = MODELS / "smollm2-135m-instruct"
+# Drafters trained for SmolLM2 (shipped in git; the shared embedding / LM head come from the target).
+SMOLLM2_DRAFTERS = REPO_ROOT / "build" / "smollm2" / "drafters"

@@ -18,20 +18,14 @@ from __future__ import annotations
 
 import itertools
 import json
-import os
 import threading
 from dataclasses import dataclass
 
 import numpy as np
-import torch
 import triton_python_backend_utils as pb_utils
 
-from dspark import paths
-from dspark.runtime.drafter import build_drafter, pad_temperatures, read_temperatures
-from dspark.runtime.engine import SpecEngine
+from dspark import wiring
 from dspark.runtime.sampling import SamplingParams
-from dspark.runtime.sps import SPSTable
-from dspark.runtime.target import TargetEngine
 from dspark.runtime.text import TextStream
 from dspark.serving.triton_metrics import TritonEngineMetrics
 
@@ -53,12 +47,6 @@ class Job:
     done: bool = False  # the final response has been sent
 
 
-def setting(model_config: dict, key: str, env_var: str, default: str) -> str:
-    """Environment variable, else the config.pbtxt parameter, else the default."""
-    param = model_config.get("parameters", {}).get(key, {}).get("string_value", "")
-    return os.environ.get(env_var) or param or default
-
-
 def optional_input(request, name: str):
     """First element of an optional input tensor, or None when the client left it out."""
     tensor = pb_utils.get_input_tensor_by_name(request, name)
@@ -74,46 +62,16 @@ def error_response(message: str, code: int | None = None) -> pb_utils.InferenceR
     return pb_utils.InferenceResponse(error=pb_utils.TritonError(message, code))
 
 
-def load_sps(spec: str, device: str) -> SPSTable:
-    """"" = results/sps_cpu.json on the cpu when present, else the GPU-shaped synthetic table;
-    "gpu_shaped"; or a path to an sps.json (dspark profile-sps)."""
-    if spec == "gpu_shaped":
-        return SPSTable.gpu_shaped()
-    if spec:
-        return SPSTable.load(spec)
-    cpu_table = paths.RESULTS / "sps_cpu.json"
-    if device == "cpu" and cpu_table.is_file():
-        return SPSTable.load(cpu_table)
-    return SPSTable.gpu_shaped()
-
-
 class TritonPythonModel:
     def initialize(self, args: dict) -> None:
         config = json.loads(args["model_config"])
-        path = setting(config, "target_path", "DSPARK_TARGET", str(paths.DEMO_TARGET))
-        capacity = int(setting(config, "capacity", "DSPARK_CAPACITY", "8"))
-        self.max_seq_len = int(setting(config, "max_seq_len", "DSPARK_MAX_SEQ_LEN", "1024"))
-        device = setting(config, "device", "DSPARK_DEVICE", "auto")
-        threads = int(setting(config, "num_threads", "DSPARK_NUM_THREADS", "0"))
-        drafter_spec = setting(config, "drafter", "DSPARK_DRAFTER", "none")
-        policy = setting(config, "policy", "DSPARK_POLICY", "dspark")
-        gamma = int(setting(config, "gamma", "DSPARK_GAMMA", "7"))
-        sps_spec = setting(config, "sps_table", "DSPARK_SPS", "")
-        if threads > 0:
-            torch.set_num_threads(threads)
-        if device == "auto":
-            device = "cuda" if torch.cuda.is_available() else "cpu"
-        dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
-        self.target = TargetEngine.from_pretrained(path, capacity, self.max_seq_len, device, dtype)
+        spec = wiring.resolve(wiring.pbtxt_params(config))
+        self.target = wiring.load_target(spec)
+        self.max_seq_len = spec.max_seq_len
         if self.target.tokenizer is None:
-            raise RuntimeError(f"{path} has no tokenizer.json")
+            raise RuntimeError(f"model {spec.model} has no tokenizer.json")
         self.eos = set(self.target.eos_token_ids)
-        drafter, temperatures = None, None
-        if drafter_spec != "none":
-            drafter, folder = build_drafter(drafter_spec, self.target, gamma)
-            temperatures = pad_temperatures(read_temperatures(folder), drafter.gamma)
-        self.engine = SpecEngine(self.target, drafter, policy if drafter is not None else None,
-                                 sts_temperatures=temperatures, sps=load_sps(sps_spec, device))
+        self.engine = wiring.build_engine(spec, target=self.target)
         self.jobs: dict[str, Job] = {}  # request id -> job, until its final response
         self.ids = itertools.count()
         self.last_error = ""

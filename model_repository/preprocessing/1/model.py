@@ -4,19 +4,17 @@ An empty prompt is rejected here with INVALID_ARG naming `text_input`."""
 from __future__ import annotations
 
 import json
-import os
 
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
-from dspark import paths
+from dspark import wiring
 from dspark.runtime.text import encode, load_tokenizer
 
 
 def target_path(model_config: dict) -> str:
-    """DSPARK_TARGET overrides the config's target_path; both empty -> the demo target."""
-    param = model_config.get("parameters", {}).get("target_path", {}).get("string_value", "")
-    return os.environ.get("DSPARK_TARGET") or param or str(paths.DEMO_TARGET)
+    """The target's folder: the `model` parameter, DSPARK_MODEL overriding (dspark.wiring)."""
+    return str(wiring.model_folder(wiring.resolve(wiring.pbtxt_params(model_config)).model))
 
 
 def first_string(values: np.ndarray) -> str:

@@ -142,7 +142,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    from dspark.runtime.drafter import build_drafter, pad_temperatures, read_temperatures
+    from dspark.runtime.drafter import build_drafter
     from dspark.runtime.scheduler import make_policy
     from dspark.runtime.sps import SPSTable
     from dspark.runtime.target import TargetEngine
@@ -165,11 +165,10 @@ def main(args: argparse.Namespace) -> int:
     drafter, folder = build_drafter(args.drafter, target, args.gamma)  # ngram[:N], name or folder
     gamma = drafter.gamma
     policy = lambda: make_policy(args.policy, sps=sps, gamma=gamma, max_batch_tokens=4096)
-    sts = pad_temperatures(read_temperatures(folder), gamma)
     runs: dict[str, dict] = {}
     rep, mt = args.repeats, args.max_tokens
     runs["batch1_plain"] = best_of(rep, run_engine, target, None, None, prompts, 1, mt)
-    runs["batch1_dspark"] = best_of(rep, run_engine, target, drafter, policy(), prompts, 1, mt, sts)
+    runs["batch1_dspark"] = best_of(rep, run_engine, target, drafter, policy(), prompts, 1, mt)
     batch1 = {"dspark": runs["batch1_dspark"]["tokens_per_s"], "plain": runs["batch1_plain"]["tokens_per_s"],
               "hf_plain": None, "hf_assisted": None, "hf_prompt_lookup": None}
     if not args.no_hf:
@@ -193,7 +192,7 @@ def main(args: argparse.Namespace) -> int:
         batch_prompts = (prompts * (b // len(prompts) + 1))[:b]
         bp = batch_prompts
         runs[f"batch{b}_plain"] = best_of(rep, run_engine, target, None, None, bp, b, mt)
-        runs[f"batch{b}_dspark"] = best_of(rep, run_engine, target, drafter, policy(), bp, b, mt, sts)
+        runs[f"batch{b}_dspark"] = best_of(rep, run_engine, target, drafter, policy(), bp, b, mt)
         aggregate[str(b)] = {"dspark": runs[f"batch{b}_dspark"]["tokens_per_s"],
                              "plain": runs[f"batch{b}_plain"]["tokens_per_s"]}
     result = {"batch1_tokens_per_s": batch1, "aggregate_tokens_per_s": aggregate,

@@ -17,6 +17,7 @@ import torch
 
 from dspark import paths
 from dspark.runtime.batch import RaggedBatch
+from dspark.runtime.engine import SpecEngine
 from dspark.runtime.sampling import SamplingParams
 from dspark.runtime.target import TargetEngine
 
@@ -55,7 +56,7 @@ def make_prompts(engine: TargetEngine, n: int, prompt_len: int) -> list[list[int
 
 def time_ours(engine: TargetEngine, prompts: list[list[int]], max_new: int) -> tuple[float, list[list[int]]]:
     t0 = time.perf_counter()
-    out = engine.generate(prompts, max_new, SamplingParams(), stop_token_ids=[])
+    out = SpecEngine(engine).generate(prompts, max_new, SamplingParams(), stop_token_ids=[])
     return time.perf_counter() - t0, out
 
 

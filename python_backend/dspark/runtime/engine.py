@@ -39,7 +39,6 @@ class Request:
     max_tokens: int
     params: SamplingParams = field(default_factory=SamplingParams)
     stop_token_ids: frozenset[int] = frozenset()
-    stop_strings: tuple[str, ...] = ()
     on_tokens: TokenCallback | None = None
     output: list[int] = field(default_factory=list)  # emitted tokens; output[-1] is the anchor x0
     finish_reason: str | None = None
@@ -87,10 +86,11 @@ class EngineMetrics:
 class SpecEngine:
     def __init__(self, target: TargetLike, drafter: DrafterLike | None = None, policy=None,
                  sts_temperatures: Sequence[float] | None = None, max_batch_tokens: int = 4096,
-                 decode: Callable[[list[int]], str] | None = None, sps: SPSTable | None = None) -> None:
+                 sps: SPSTable | None = None) -> None:
         """policy: a `dspark.runtime.scheduler` policy, a spec string ("none", "fixed:3", "dspark" with
-        `sps`, ...) or None (plain). decode: token ids -> text, used only for stop strings
-        (default: the target tokenizer's decode)."""
+        `sps`, ...) or None (plain). sts_temperatures: default the drafter's own (calibration.json),
+        padded with 1 (uncalibrated) to γ. Stop strings are the caller's (`dspark.runtime.text`):
+        it cancels the request once its text matches."""
         self.target, self.drafter = target, drafter
         self.gamma = int(drafter.gamma) if drafter is not None else 0
         if isinstance(policy, str):
@@ -98,10 +98,10 @@ class SpecEngine:
         plain = drafter is None or policy is None or getattr(policy, "name", "") == "none"
         self.policy = None if plain else policy  # None: plain decoding, the drafter is never called
         self.max_batch_tokens = max_batch_tokens
-        temps = sts_temperatures if sts_temperatures is not None else [1.0] * self.gamma
-        self.sts_temperatures = torch.tensor(list(temps), dtype=torch.float32)
-        tok = getattr(target, "tokenizer", None)
-        self.decode = decode or (getattr(tok, "decode", None) if tok is not None else None)
+        if sts_temperatures is None:
+            sts_temperatures = getattr(drafter, "sts_temperatures", None)
+        temps = list(sts_temperatures or [])[:self.gamma]
+        self.sts_temperatures = torch.tensor(temps + [1.0] * (self.gamma - len(temps)), dtype=torch.float32)
         self.default_stop_ids = frozenset(getattr(target, "eos_token_ids", None) or ())
         self.reset_metrics()
         self._lock = threading.Lock()  # guards _waiting and _cancel (add/cancel come from any thread)
@@ -119,7 +119,7 @@ class SpecEngine:
     # ---- requests (thread-safe) ----
     def add_request(self, prompt: list[int], max_tokens: int, params: SamplingParams | None = None,
                     request_id: str | None = None, stop_token_ids: Sequence[int] | None = None,
-                    stop_strings: Sequence[str] = (), on_tokens: TokenCallback | None = None) -> Request:
+                    on_tokens: TokenCallback | None = None) -> Request:
         """Queue a request; it is prefilled when a slot frees up. Returns its live `Request`."""
         if not 1 <= len(prompt) <= self.target.max_seq_len:
             raise ValueError(f"prompt length {len(prompt)} not in [1, max_seq_len={self.target.max_seq_len}]")
@@ -129,7 +129,7 @@ class SpecEngine:
         req = Request(request_id if request_id is not None else f"req-{next(self._ids)}", list(prompt),
                       int(max_tokens), params,
                       frozenset(self.default_stop_ids if stop_token_ids is None else stop_token_ids),
-                      tuple(stop_strings), on_tokens, generator=params.generator(),
+                      on_tokens, generator=params.generator(),
                       drafted=[0] * self.gamma, verified=[0] * self.gamma, accepted=[0] * self.gamma)
         with self._lock:
             self._waiting.append(req)
@@ -243,10 +243,16 @@ class SpecEngine:
             self._release(r)
 
     def generate(self, prompts: list[list[int]], max_tokens: int,
-                 params: SamplingParams | list[SamplingParams] | None = None) -> list[list[int]]:
-        """Convenience: run all prompts to completion, return the generated ids per prompt."""
+                 params: SamplingParams | list[SamplingParams] | None = None,
+                 stop_token_ids: Sequence[int] | None = None) -> list[list[int]]:
+        """Run all prompts to completion (continuous batching over the free slots); returns the
+        generated ids per prompt, a stop token included (default stops: the target's eos ids).
+        With no drafter this is plain decoding, the oracle speculative output is tested against."""
         plist = params if isinstance(params, list) else [params or SamplingParams()] * len(prompts)
-        reqs = [self.add_request(p, max_tokens, sp) for p, sp in zip(prompts, plist)]
+        if len(plist) != len(prompts):
+            raise ValueError(f"generate got {len(plist)} SamplingParams for {len(prompts)} prompts")
+        reqs = [self.add_request(p, max_tokens, sp, stop_token_ids=stop_token_ids)
+                for p, sp in zip(prompts, plist)]
         self.run_until_done()
         return [r.output for r in reqs]
 
@@ -337,7 +343,7 @@ class SpecEngine:
             self._emit(r, [tok], from_verify=False)
 
     def _emit(self, r: Request, new: list[int], from_verify: bool) -> None:
-        """Append tokens, truncating at a stop token / stop string / length; stream them."""
+        """Append tokens, truncating at a stop token / length; stream them."""
         room = self._remaining(r)
         for j, tok in enumerate(new[:room]):
             if tok in r.stop_token_ids:
@@ -348,27 +354,11 @@ class SpecEngine:
             if len(new) == room:
                 r.finish_reason = "length"
         r.output.extend(new)
-        if r.stop_strings and self.decode is not None:
-            new = self._check_stop_strings(r, new)
         r.verify_emitted += len(new) if from_verify else 0
         self.metrics.emitted += len(new)
         if r.on_tokens and (new or r.finished):
             r.on_tokens(r.request_id, new, r.finished, r.finish_reason)
             r.notified = r.finished
-
-    def _check_stop_strings(self, r: Request, new: list[int]) -> list[int]:
-        """Cut the output after the first token that completes a stop string (text left to the caller)."""
-        window = len(new) + max(len(s) for s in r.stop_strings) + 4  # tokens that can hold a new match
-        base = max(len(r.output) - window, 0)
-        if not any(s in self.decode(r.output[base:]) for s in r.stop_strings):
-            return new
-        for end in range(max(len(r.output) - len(new), base) + 1, len(r.output) + 1):
-            if any(s in self.decode(r.output[base:end]) for s in r.stop_strings):
-                cut = len(r.output) - end
-                del r.output[end:]
-                r.finish_reason = "stop"
-                return new[:len(new) - cut]
-        return new
 
     def _release(self, r: Request) -> None:
         del self._active[r.request_id]

@@ -1,10 +1,9 @@
 """The in-process target engine (DESIGN §4): our transformer + a fixed-slot KV cache,
-implementing `dspark.runtime.interfaces.TargetLike` (prefill, ragged verify, slot management)
-plus plain batched decoding (`generate`) as the non-speculative baseline."""
+implementing `dspark.runtime.interfaces.TargetLike` (prefill, ragged verify, slot management).
+Plain decoding is the engine loop with no drafter (`SpecEngine(target).generate`)."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -14,7 +13,6 @@ from dspark.runtime.config import ModelConfig
 from dspark.runtime.kv_cache import KVCache
 from dspark.runtime.loader import load_model, load_tokenizer
 from dspark.runtime.model import Transformer, build_attn_meta
-from dspark.runtime.sampling import SamplingParams, param_tensors, sample, sampling_probs
 
 PREFILL_PADDED_TOKENS = 4096  # prefill batches requests while R * longest prompt stays under this
 
@@ -136,74 +134,3 @@ class TargetEngine:
         for slot, end in zip(batch.slots.tolist(), ends):
             self.cache.lengths[slot] = end + 1
         return logits, taps
-
-    # --- plain decoding ---
-    def generate(self, prompts: list[list[int]], max_new_tokens: int,
-                 params: list[SamplingParams] | SamplingParams | None = None,
-                 stop_token_ids: list[int] | None = None,
-                 on_tokens: Callable[[int, list[int]], None] | None = None) -> list[list[int]]:
-        """Plain batched (non-speculative) decoding: prefill, then one cached forward per
-        token for all active requests. A request stops after a stop token (default: the
-        model's eos ids; the stop token is included in its output), after max_new_tokens,
-        or when its slot is full. Requests beyond the free slots run in later waves."""
-        if params is None:
-            params = SamplingParams()
-        params = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
-        if len(params) != len(prompts):
-            raise ValueError(f"generate got {len(params)} SamplingParams for {len(prompts)} prompts")
-        if max_new_tokens < 0:
-            raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
-        if self.num_free_slots() == 0:
-            raise RuntimeError(f"no free KV slot (capacity {self.cache.capacity})")
-        stop = set(self.eos_token_ids if stop_token_ids is None else stop_token_ids)
-        outputs: list[list[int]] = [[] for _ in prompts]
-        if max_new_tokens == 0:
-            return outputs
-        wave = self.num_free_slots()
-        for lo in range(0, len(prompts), wave):
-            idx = list(range(lo, min(lo + wave, len(prompts))))
-            self._generate_wave(idx, prompts, params, max_new_tokens, stop, on_tokens, outputs)
-        return outputs
-
-    def _generate_wave(self, idx, prompts, params, max_new_tokens, stop, on_tokens, outputs) -> None:
-        slots: list[int] = []
-        try:
-            for _ in idx:
-                slots.append(self.allocate())
-            generators = [params[i].generator(self.device) for i in idx]
-            logits, _ = self.prefill(slots, [prompts[i] for i in idx])
-            active = list(range(len(idx)))  # positions into idx / slots
-            while True:
-                sub_params = [params[idx[a]] for a in active]
-                next_tokens = self._pick(logits, sub_params, [generators[a] for a in active]).tolist()
-                still = []
-                for a, tok in zip(active, next_tokens):
-                    i = idx[a]
-                    outputs[i].append(tok)
-                    if on_tokens is not None:
-                        on_tokens(i, [tok])
-                    full = self.cache.lengths[slots[a]] >= self.max_seq_len
-                    if tok not in stop and len(outputs[i]) < max_new_tokens and not full:
-                        still.append((a, tok))
-                if not still:
-                    return
-                active = [a for a, _ in still]
-                logits = self._decode_step([slots[a] for a in active], [t for _, t in still])
-        finally:
-            for slot in slots:
-                self.release(slot)
-
-    def _decode_step(self, slots: list[int], tokens: list[int]) -> torch.Tensor:
-        """One new token per request: the fast path of verify (inputs correct by construction)."""
-        r = len(slots)
-        starts = [self.cache.lengths[s] for s in slots]
-        batch = RaggedBatch(torch.tensor(tokens), torch.arange(r), torch.tensor(starts),
-                            torch.arange(r + 1), torch.tensor(slots))
-        return self._forward(batch)[0]
-
-    @staticmethod
-    def _pick(logits: torch.Tensor, params: list[SamplingParams], generators) -> torch.Tensor:
-        if all(p.greedy for p in params):
-            return logits.argmax(-1).cpu()  # == sampling_probs' one-hot (ties: lowest id)
-        probs = sampling_probs(logits, *param_tensors(params, logits.device))
-        return sample(probs, generators).cpu()

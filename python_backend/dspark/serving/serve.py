@@ -8,40 +8,36 @@ import signal
 import sys
 from pathlib import Path
 
-from dspark import paths
+from dspark import paths, wiring
 from dspark.serving.triton_server import TritonServer
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", type=Path, default=paths.DEMO_TARGET,
-                   help="Hugging Face checkpoint folder of the target (default: the demo target; "
-                        "env DSPARK_TARGET)")
     p.add_argument("--model-repository", type=Path, default=paths.MODEL_REPOSITORY)
-    p.add_argument("--host", default="0.0.0.0", help="address the HTTP and gRPC endpoints bind to")
+    p.add_argument("--host", default="127.0.0.1", help="address the HTTP and gRPC endpoints bind to")
     p.add_argument("--http-port", type=int, default=8000, help="0 = pick a free port")
     p.add_argument("--grpc-port", type=int, default=8001, help="0 = pick a free port")
     p.add_argument("--metrics-port", type=int, default=8002, help="0 = pick a free port")
-    p.add_argument("--capacity", type=int, help="KV-cache slots (default: config.pbtxt)")
-    p.add_argument("--max-seq-len", type=int, help="tokens per slot (default: config.pbtxt)")
-    p.add_argument("--device", help="cpu, cuda, cuda:N or auto (default: config.pbtxt)")
-    p.add_argument("--num-threads", type=int, help="torch CPU threads in the decode model")
-    p.add_argument("--drafter", help="none, ngram[:N], a name under build/demo/drafters or a folder "
-                                     "(default: config.pbtxt)")
-    p.add_argument("--policy", help="scheduler policy, e.g. dspark, mtp1, fixed:3 (default: config.pbtxt)")
-    p.add_argument("--gamma", type=int, help="draft block size γ (default: config.pbtxt)")
-    p.add_argument("--sps", help="SPS table: a sps.json path or gpu_shaped (default: config.pbtxt)")
     p.add_argument("--ready-timeout", type=float, default=600.0, help="seconds to wait for readiness")
+    # Engine settings: unset flags keep the config.pbtxt parameters (dspark.wiring.Spec).
+    for name, help_text in (("model", "smollm2, demo or a Hugging Face folder"),
+                            ("dtype", "auto, fp32, bf16"),
+                            ("device", "auto, cpu, cuda[:N]"), ("capacity", "KV-cache slots"),
+                            ("max_seq_len", "tokens per slot"), ("num_threads", "torch CPU threads"),
+                            ("drafter", "none, auto, ngram[:N], a drafter name or folder"),
+                            ("policy", "dspark, mtp1, fixed:k, ..."), ("gamma", "draft block size γ"),
+                            ("sps", "auto, gpu_shaped or an sps.json path")):
+        kind = int if name in ("capacity", "max_seq_len", "num_threads", "gamma") else str
+        p.add_argument("--" + name.replace("_", "-"), type=kind, help=f"{help_text} (default: config.pbtxt)")
 
 
 def model_env(args: argparse.Namespace) -> dict[str, str]:
-    """The DSPARK_* overrides every model.py reads (see model_repository/dspark/config.pbtxt)."""
-    env = {"DSPARK_TARGET": str(Path(args.model).resolve())}
-    for name, value in (("DSPARK_CAPACITY", args.capacity), ("DSPARK_MAX_SEQ_LEN", args.max_seq_len),
-                        ("DSPARK_DEVICE", args.device), ("DSPARK_NUM_THREADS", args.num_threads),
-                        ("DSPARK_DRAFTER", args.drafter), ("DSPARK_POLICY", args.policy),
-                        ("DSPARK_GAMMA", args.gamma), ("DSPARK_SPS", args.sps)):
+    """The DSPARK_* overrides the models read through dspark.wiring (see config.pbtxt)."""
+    env = {}
+    for name, var in wiring.ENV_VARS.items():
+        value = getattr(args, name, None)
         if value is not None:
-            env[name] = str(value)
+            env[var] = str(Path(value).resolve()) if name == "model" and Path(value).is_dir() else str(value)
     return env
 
 
@@ -69,10 +65,10 @@ def _interrupt(signum, frame) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    model = Path(args.model)
-    if not (model / "config.json").is_file() or not (model / "tokenizer.json").is_file():
-        print(f"error: no Hugging Face checkpoint (config.json + tokenizer.json) at {model}.\n"
-              f"Build the demo target with `make demo-assets`, or pass --model FOLDER.", file=sys.stderr)
+    try:
+        wiring.model_folder(wiring.resolve(model=args.model).model)
+    except FileNotFoundError as e:
+        print(f"error: {e}", file=sys.stderr)
         return 2
     server = TritonServer(args.model_repository, args.http_port, args.grpc_port, args.metrics_port,
                           host=args.host, env=model_env(args), log_to_console=True)

@@ -21,7 +21,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from dspark.runtime.drafter import build_drafter, pad_temperatures, read_temperatures  # noqa: F401 (re-exported)
+from dspark.runtime.drafter import build_drafter, pad_temperatures, read_calibration  # noqa: F401 (re-exported)
 from dspark.runtime.sampling import SamplingParams
 from dspark.tools.metrics import ECE_BINS, auroc, ece, reliability, sigmoid, survival
 

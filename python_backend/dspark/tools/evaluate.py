@@ -153,7 +153,7 @@ def evaluate_drafter(target, name: str, prompts: dict[str, list[list[int]]], gam
             if progress is not None:
                 progress.update(sum(len(p) for d, p in prompts.items() if d not in todo))
             g_eff = drafter.gamma  # drafts γ tokens (fewer if its trained block is shorter)
-            sts = cal.pad_temperatures(cal.read_temperatures(folder), g_eff)  # unused by fixed:γ
+            sts = cal.pad_temperatures(cal.read_calibration(folder), g_eff)  # unused by fixed:γ
             # all domains' prompts share one engine (requests never interact under fixed:γ)
             flat = [(d, i, ids) for d, plist in todo.items() for i, ids in enumerate(plist)]
             if not flat:
@@ -240,7 +240,7 @@ def summarise(results: dict[str, dict], gammas: list[int], temperatures: list[fl
                                  for d, s in stats.items()}
         summary["tau"][name], summary["acceptance_by_position"][name] = tau_d, acc_d
         summary["runs"][name] = run_d
-        sts = cal.read_temperatures(res.get("folder"))
+        sts = cal.read_calibration(res.get("folder"))
         # calibration on every T = t_cal block (all γ): position k counts where it was verified
         width = max(runs[(g, t_cal, domains[0])]["gamma_effective"] for g in gammas)
         blocks = [pad_block(b, width) for g in gammas
@@ -319,7 +319,7 @@ def write_sim_traces(traces_dir: Path, drafter: str, result: dict, domains: list
     the accepted length under full verification; a request's last block may be capped)."""
     from dspark.tools.traces import save_traces
 
-    sts = cal.read_temperatures(result.get("folder"))
+    sts = cal.read_calibration(result.get("folder"))
     configs = sorted({(g, t) for (g, t, d) in result["runs"] if d in domains})
     written = []
     for gamma, temp in configs:

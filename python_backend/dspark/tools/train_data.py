@@ -20,6 +20,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
+from dspark.runtime.engine import SpecEngine
 from dspark.runtime.sampling import SamplingParams
 
 DOMAINS = ("code", "prose", "math")
@@ -65,7 +66,7 @@ def generate_sequences(target, prompts: list[list[int]], max_new: int, seed: int
         for i in range(len(chunk)):
             sp = T1_SAMPLING if hot[lo + i] else DATA_SAMPLING
             params.append(SamplingParams(sp.temperature, sp.top_k, sp.top_p, seed=seed * 1_000_003 + lo + i))
-        outs = target.generate(chunk, max_new, params)
+        outs = SpecEngine(target).generate(chunk, max_new, params)
         for p, o in zip(chunk, outs):
             seqs.append(p + o)
             masks.append([False] * len(p) + [True] * len(o))

@@ -58,11 +58,6 @@ def build_drafter(spec: str, target, gamma: int):
         return load_drafter(spec, target, gamma=size), folder
 
 
-def read_temperatures(drafter_dir: str | Path | None) -> list[float] | None:
-    """STS temperatures stored with a drafter folder (calibration.json), None when it has none."""
-    return None if drafter_dir is None else read_calibration(drafter_dir)
-
-
 def pad_temperatures(temps: list[float] | None, gamma: int) -> list[float]:
     """STS temperatures for γ positions: stored ones, then 1 (uncalibrated) for the rest."""
     temps = list(temps or [])[:gamma]
@@ -70,4 +65,4 @@ def pad_temperatures(temps: list[float] | None, gamma: int) -> list[float]:
 
 
 __all__ = ["NGramDrafter", "build_drafter", "load_drafter", "load_drafter_folder", "pad_temperatures",
-           "read_temperatures"]
+           "read_calibration"]

@@ -313,8 +313,11 @@ def save_dspark(model: DSparkModel, folder: str | Path, dtype: torch.dtype = tor
     return folder
 
 
-def read_calibration(folder: str | Path) -> list[float] | None:
-    """STS temperatures written by `dspark calibrate` (calibration.json "sts_temperatures")."""
+def read_calibration(folder: str | Path | None) -> list[float] | None:
+    """STS temperatures written by `dspark calibrate` (calibration.json "sts_temperatures");
+    None when the folder (or the file) is absent."""
+    if folder is None:
+        return None
     path = Path(folder) / "calibration.json"
     if not path.is_file():
         return None

@@ -1,0 +1,228 @@
+"""The one place that turns a serving spec into running parts: target, drafter (with its STS
+temperatures), scheduler policy and SPS table, and the engine over them.
+
+Every entry point builds through here: the CLI commands (`generate`, `bench`, `eval`,
+`calibrate`, `profile-sps`, ...), and the Triton models (whose `config.pbtxt` parameters are
+the spec). Resolution order, lowest first: the defaults of `Spec`, the `config.pbtxt`
+parameters, the documented `DSPARK_*` environment variables (tests and `dspark serve` use
+them), explicit keyword overrides (CLI flags).
+
+Model names: `smollm2` (the default: SmolLM2-135M-Instruct, fetched by `make setup`),
+`demo` (the 10M demo target in build/demo/target, for fast tests), or a Hugging Face folder.
+Drafter names: `none`, `auto` (the model's shipped default drafter if it has one, else
+none), `ngram[:N]`, a drafter name under the model's drafter folder, or a drafter folder.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, fields, replace
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from dspark import paths
+
+MODEL_ALIASES: dict[str, Path] = {"smollm2": paths.SMOLLM2, "demo": paths.DEMO_TARGET}
+# Trained drafters shipped per model (folder names under these are drafter names).
+DRAFTER_DIRS: dict[str, Path] = {"smollm2": paths.SMOLLM2_DRAFTERS, "demo": paths.DEMO_DRAFTERS}
+DEFAULT_DRAFTER = "dspark-markov"
+# Profiled steps-per-second tables per model on the CPU (`dspark profile-sps`).
+SPS_TABLES: dict[str, Path] = {"smollm2": paths.RESULTS / "sps_smollm2_cpu.json",
+                               "demo": paths.RESULTS / "sps_cpu.json"}
+DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16,
+          "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16}
+# What `dtype=auto` means on the CPU, per model: the faster one on this CPU for the shapes
+# served, measured by `dspark bench-target` (results/target_bench_smollm2.json); the demo target
+# keeps fp32 (its step is op-overhead bound, and its drafters were trained on fp32 features).
+AUTO_CPU_DTYPE: dict[str, torch.dtype] = {"smollm2": torch.bfloat16, "demo": torch.float32}
+
+
+@dataclass(frozen=True)
+class Spec:
+    """Everything needed to build an engine. String-typed where config.pbtxt is."""
+
+    model: str = "smollm2"  # smollm2 | demo | HF folder
+    dtype: str = "auto"  # auto | fp32 | bf16 | fp16
+    device: str = "auto"  # auto (cuda when available) | cpu | cuda[:N]
+    capacity: int = 8  # KV slots = requests decoded together
+    max_seq_len: int = 2048  # tokens per slot (prompt + output)
+    num_threads: int = 0  # torch intra-op threads on the CPU (0 = torch's default)
+    drafter: str = "auto"  # auto | none | ngram[:N] | drafter name | drafter folder
+    policy: str = "dspark"  # none | fixed:k | mtp1 | threshold:t | dspark-theory | dspark
+    gamma: int = 7  # draft block size γ
+    sps: str = "auto"  # auto | gpu_shaped | path to an sps.json
+    max_batch_tokens: int = 4096  # cap on Σ(1 + ℓ_r) per step
+
+    @property
+    def model_key(self) -> str | None:
+        """`smollm2` / `demo` when the model is (or resolves to) one of the aliases."""
+        if self.model in MODEL_ALIASES:
+            return self.model
+        p = Path(self.model).resolve()
+        return next((k for k, v in MODEL_ALIASES.items() if v.resolve() == p), None)
+
+
+ENV_VARS: dict[str, str] = {f.name: "DSPARK_" + f.name.upper() for f in fields(Spec)}
+
+
+def resolve(params: Mapping[str, Any] | None = None, env: Mapping[str, str] | None = None,
+            **overrides: Any) -> Spec:
+    """Spec from defaults < params (config.pbtxt) < env (DSPARK_*) < overrides (None = unset).
+    Raises ValueError naming the field when a value does not parse."""
+    env = os.environ if env is None else env
+    values: dict[str, Any] = {}
+    for layer in (params or {}, {k: env[v] for k, v in ENV_VARS.items() if env.get(v)},
+                  {k: v for k, v in overrides.items() if v is not None}):
+        for key, value in layer.items():
+            if key not in ENV_VARS:
+                raise ValueError(f"unknown setting {key!r} (known: {', '.join(ENV_VARS)})")
+            if value is None or value == "":
+                continue
+            values[key] = value
+    out = Spec()
+    for f in fields(Spec):
+        if f.name in values:
+            raw = values[f.name]
+            try:
+                cast = int(raw) if f.type == "int" else str(raw)
+            except (TypeError, ValueError):
+                raise ValueError(f"setting {f.name!r}: expected an integer, got {raw!r}") from None
+            out = replace(out, **{f.name: cast})
+    return out
+
+
+def pbtxt_params(model_config: Mapping[str, Any]) -> dict[str, str]:
+    """The `parameters` of a Triton model config (as the Python backend passes it) as a dict."""
+    return {k: v.get("string_value", "") for k, v in model_config.get("parameters", {}).items()}
+
+
+# ---- parts ----
+
+def model_folder(model: str) -> Path:
+    """Alias or folder -> checkpoint folder; FileNotFoundError with the fix when it is missing."""
+    folder = MODEL_ALIASES.get(model, Path(model))
+    if not (folder / "config.json").is_file():
+        hints = {"smollm2": "run `make setup` (or `dspark fetch-model`) to fetch and convert it",
+                 "demo": "rebuild it with `make demo-assets`"}
+        hint = hints.get(model, "pass a Hugging Face checkpoint folder")
+        raise FileNotFoundError(f"model {model!r}: no config.json in {folder}; {hint}")
+    return folder
+
+
+def torch_device(spec: Spec) -> torch.device:
+    if spec.device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(spec.device)
+
+
+def torch_dtype(spec: Spec, device: torch.device | None = None) -> torch.dtype:
+    device = device or torch_device(spec)
+    if spec.dtype == "auto":
+        if device.type == "cuda":
+            return torch.bfloat16
+        return AUTO_CPU_DTYPE.get(spec.model_key or "", torch.float32)
+    if spec.dtype not in DTYPES:
+        raise ValueError(f"setting 'dtype': unknown {spec.dtype!r} (auto, {', '.join(DTYPES)})")
+    return DTYPES[spec.dtype]
+
+
+def load_target(spec: Spec, num_taps: int = 3):
+    """The in-process target engine (`TargetEngine`) described by the spec."""
+    from dspark.runtime.target import TargetEngine
+
+    if spec.num_threads > 0:
+        torch.set_num_threads(spec.num_threads)
+    device = torch_device(spec)
+    return TargetEngine.from_pretrained(model_folder(spec.model), capacity=spec.capacity,
+                                        max_seq_len=spec.max_seq_len, device=device,
+                                        dtype=torch_dtype(spec, device), num_taps=num_taps)
+
+
+def drafter_folder(spec: Spec, name: str | None = None) -> Path | None:
+    """The folder of a trained drafter name/path for this model, None for ngram / none."""
+    name = spec.drafter if name is None else name
+    if name == "auto":
+        root = DRAFTER_DIRS.get(spec.model_key or "")
+        folder = None if root is None else root / DEFAULT_DRAFTER
+        return folder if folder is not None and (folder / "config.json").is_file() else None
+    if name == "none" or name.startswith("ngram"):
+        return None
+    if Path(name).is_dir():
+        return Path(name)
+    root = DRAFTER_DIRS.get(spec.model_key or "")
+    if root is not None and (root / name).is_dir():
+        return root / name
+    known = [] if root is None or not root.is_dir() else sorted(
+        p.name for p in root.iterdir() if (p / "config.json").is_file())
+    raise FileNotFoundError(f"drafter {name!r}: not a folder, and not one of this model's drafters "
+                            f"({', '.join(known) or 'none shipped'}); use none, ngram[:N] or a folder")
+
+
+def load_drafter(spec: Spec, target, name: str | None = None):
+    """The drafter (it carries its own STS temperatures) or None for plain decoding."""
+    from dspark.runtime.drafter import build_drafter
+
+    name = spec.drafter if name is None else name
+    if name == "none":
+        return None
+    folder = drafter_folder(spec, name)
+    if folder is None and not name.startswith("ngram"):
+        return None  # auto, and this model ships no drafter
+    drafter, _ = build_drafter(str(folder) if folder is not None else name, target, spec.gamma)
+    return drafter
+
+
+def load_sps(spec: Spec, device: torch.device | None = None):
+    """auto = this model's profiled CPU table on the CPU when present, else the GPU-shaped one."""
+    from dspark.runtime.sps import SPSTable
+
+    if spec.sps == "gpu_shaped":
+        return SPSTable.gpu_shaped()
+    if spec.sps != "auto":
+        if not Path(spec.sps).is_file():
+            raise FileNotFoundError(f"setting 'sps': no SPS table at {spec.sps} (or use auto / gpu_shaped)")
+        return SPSTable.load(spec.sps)
+    table = SPS_TABLES.get(spec.model_key or "")
+    if (device or torch_device(spec)).type == "cpu" and table is not None and table.is_file():
+        return SPSTable.load(table)
+    return SPSTable.gpu_shaped()
+
+
+def build_engine(spec: Spec, target=None, drafter: Any = "spec"):
+    """SpecEngine over the spec's parts (pass `target` / `drafter` to reuse loaded ones;
+    drafter=None forces plain decoding)."""
+    from dspark.runtime.engine import SpecEngine
+
+    target = load_target(spec) if target is None else target
+    if drafter == "spec":
+        drafter = load_drafter(spec, target)
+    policy = spec.policy if drafter is not None else "none"
+    return SpecEngine(target, drafter, policy, max_batch_tokens=spec.max_batch_tokens,
+                      sps=load_sps(spec, getattr(target, "device", None)))
+
+
+def add_arguments(p, **defaults: Any) -> None:
+    """The shared CLI flags (`--model`, `--dtype`, `--drafter`, ...); defaults come from Spec."""
+    base = replace(Spec(), **defaults)
+    help_text = {
+        "model": "smollm2 (default model), demo (10M demo target) or a Hugging Face folder",
+        "dtype": "auto (the faster on this machine), fp32, bf16", "device": "auto, cpu, cuda[:N]",
+        "capacity": "KV-cache slots (concurrent requests)", "max_seq_len": "tokens per slot",
+        "num_threads": "torch CPU threads (0 = torch's default)",
+        "drafter": "auto, none, ngram[:N], a shipped drafter name or a drafter folder",
+        "policy": "none, fixed:k, mtp1, threshold:t, dspark-theory, dspark",
+        "gamma": "draft block size γ", "sps": "auto, gpu_shaped or an sps.json path",
+        "max_batch_tokens": "cap on tokens verified per step"}
+    for f in fields(Spec):
+        flag = "--" + f.name.replace("_", "-")
+        kind = int if f.type == "int" else str
+        p.add_argument(flag, type=kind, default=getattr(base, f.name),
+                       help=f"{help_text[f.name]} (default: %(default)s)")
+
+
+def from_args(args: Any) -> Spec:
+    """Spec from an argparse namespace filled by `add_arguments`."""
+    return Spec(**{f.name: getattr(args, f.name) for f in fields(Spec)})
