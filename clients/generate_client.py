@@ -1,7 +1,7 @@
 """Send a prompt to the DSpark Triton ensemble and print the continuation.
 
 gRPC (tritonclient, bidirectional stream; `--stream` prints tokens as they arrive) or HTTP
-(the `generate` / `generate_stream` endpoints, stdlib only). Tensor names: DESIGN §10.
+(the `generate` / `generate_stream` endpoints, stdlib only). Tensor names: docs/architecture.md §10.
 
     python clients/generate_client.py --protocol grpc --url localhost:8001 --prompt "Hi" --stream
     python clients/generate_client.py --protocol http --url localhost:8000 --prompt "Hi" --max-tokens 32

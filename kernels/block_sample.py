@@ -1,4 +1,4 @@
-"""Block sampling for the drafter's sequential head (DESIGN §5), Triton kernel + torch reference.
+"""Block sampling for the drafter's sequential head (architecture §5): Triton kernel + torch reference.
 
 Left to right over k = 1..γ, every request draws x_k from
     p_k = sampling_probs(U_k + W1[x_{k−1}] W2ᵀ)  (temperature, then top-k, then top-p)
@@ -10,7 +10,7 @@ next position, so the loop never syncs with the host.
 Filtering inside the kernel: logits are mapped to order-preserving int32 keys (negative
 floats get their magnitude bits flipped; inlined, the interpreter is slow on nested calls); the top-k
 threshold (k-th largest key) and the top-p threshold (smallest key t whose mass strictly
-above t is < top_p, DESIGN §6 uses the same rule via sampling_probs) are found by exact
+above t is < top_p, docs/architecture.md §6 uses the same rule via sampling_probs) are found by exact
 32-step bisection over the key space, each step one pass over the row. Rows without top-k /
 top-p skip those passes. Ties between equal logits may keep a few extra tokens where
 sampling_probs' stable sort keeps exactly k (measure zero for real logits).

@@ -1,4 +1,4 @@
-"""Ragged rejection sampling as a Triton kernel (DESIGN §6).
+"""Ragged rejection sampling as a Triton kernel (docs/architecture.md §6).
 
 One program per request r walks its rows cu[r] .. cu[r+1]-1 of the flattened target
 probabilities: accept d_j while u_j · p_d(d_j) < p_t(d_j), then draw the corrected token from

@@ -1,4 +1,4 @@
-"""Varlen attention for ragged verification (DESIGN §4), as a Triton kernel + torch reference.
+"""Varlen attention for ragged verification (docs/architecture.md §4), as a Triton kernel + torch reference.
 
 Queries are the flattened new tokens of all requests (cu_seqlens, positions). The new
 tokens' K/V are already written into the cache at their positions, so the new token at

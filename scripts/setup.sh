@@ -19,7 +19,7 @@ $VPY -m pip install --quiet --disable-pip-version-check -r requirements.txt -c c
 echo "[setup] installing dspark (editable) from python_backend/ and dspark_kernels from kernels/"
 $VPY -m pip install --quiet --disable-pip-version-check --no-deps --no-build-isolation -e .
 
-# The Python-backend stub for Python 3.11 links the system's shared libpython3.11 (DESIGN §10).
+# The Python-backend stub for Python 3.11 links the system's shared libpython3.11 (docs/architecture.md §10).
 STUB=$($VPY -c 'import pytriton, pathlib; print(pathlib.Path(pytriton.__file__).parent / "tritonserver/python_backend_stubs/3.11/triton_python_backend_stub")')
 if ldd "$STUB" | grep -q "libpython3.11.*not found"; then
   echo "[setup] the Triton Python stub needs libpython3.11.so.1.0: installing Debian's libpython3.11"

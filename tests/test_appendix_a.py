@@ -1,4 +1,4 @@
-"""Appendix A (DESIGN §6): a retrospective length choice biases the output to ≈ (0.85, 0.15);
+"""Appendix A (docs/architecture.md §6): a retrospective length choice biases the output to ≈ (0.85, 0.15);
 fixed lengths and the non-anticipating scheduler policies keep the target's (0.7, 0.3)."""
 
 from __future__ import annotations

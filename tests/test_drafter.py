@@ -1,4 +1,4 @@
-"""Drafters (DESIGN §5): DSpark (Markov / RNN / none), EAGLE-style and the draft LM behind
+"""Drafters (docs/architecture.md §5): DSpark (Markov / RNN / none), EAGLE-style and the draft LM behind
 `DrafterLike`: shapes, exact draft distributions, greedy = argmax, the sequential head's
 dependence on x_{k−1}, confidence never reading x_k, per-slot isolation, save/load, the
 training forward equal to the serving path, and lossless greedy speculative decoding."""

@@ -319,7 +319,7 @@ def test_seeded_sampling_reproducible(target, prompts):
     assert run(100) != first
 
 
-# ---- the output distribution through the whole engine (DESIGN §6) ----
+# ---- the output distribution through the whole engine (docs/architecture.md §6) ----
 
 VOCAB = 8
 

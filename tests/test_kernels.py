@@ -1,4 +1,4 @@
-"""Every Triton kernel equals its torch reference on random ragged inputs (DESIGN §6).
+"""Every Triton kernel equals its torch reference on random ragged inputs (docs/architecture.md §6).
 
 Kernels run on the CPU under TRITON_INTERPRET=1. Triton picks interpreter or compiler when
 a kernel is decorated (module import), so the fixture sets the variable and (re)imports

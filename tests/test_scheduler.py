@@ -1,5 +1,5 @@
-"""Scheduler policies (DESIGN §7): caps, prefix-closure, Algorithm 1, the delayed budget and
-non-anticipation (DESIGN §6) as a property test that also catches a retrospective policy."""
+"""Scheduler policies (docs/architecture.md §7): caps, prefix-closure, Algorithm 1, the delayed budget and
+non-anticipation (docs/architecture.md §6) as a property test that also catches a retrospective policy."""
 
 from __future__ import annotations
 
@@ -186,7 +186,7 @@ def test_property_catches_retrospective_policy():
 
 
 def test_appendix_a_example_retrospective_admits_only_when_future_is_confident():
-    """SPS(1, 2, 3) = (1, 0.5, 0.45), R = 1, γ = 2 (DESIGN §6): Algorithm 1 never drafts,
+    """SPS(1, 2, 3) = (1, 0.5, 0.45), R = 1, γ = 2 (docs/architecture.md §6): Algorithm 1 never drafts,
     the retrospective search drafts both tokens exactly when a1 + a2 > 1/0.45 − 1."""
     sps = SPSTable([1, 2, 3], [1.0, 0.5, 0.45])
     rem = torch.tensor([10])

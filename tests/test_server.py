@@ -1,4 +1,4 @@
-"""The server on the real tritonserver (DESIGN §10), running the speculative engine loop
+"""The server on the real tritonserver (docs/architecture.md §10), running the speculative engine loop
 (n-gram drafter, DSpark policy): the ensemble streams over gRPC and answers HTTP
 `generate` with exactly the text of in-process greedy PLAIN decoding, batches more
 requests than KV slots continuously, frees a slot on a stop string, exports the engine

@@ -1,4 +1,4 @@
-"""Serving simulator and trace format (DESIGN §7, §9)."""
+"""Serving simulator and trace format (docs/architecture.md §7, §9)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""SPS table (DESIGN §7): next-bucket lookup, tail extrapolation, JSON round trip."""
+"""SPS table (docs/architecture.md §7): next-bucket lookup, tail extrapolation, JSON round trip."""
 
 from __future__ import annotations
 

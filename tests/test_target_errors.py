@@ -1,4 +1,4 @@
-"""Bad input fails loudly and names the problem (DESIGN §4): unknown model types, broken
+"""Bad input fails loudly and names the problem (docs/architecture.md §4): unknown model types, broken
 checkpoints (nothing half-loaded), sequences past max_seq_len, full caches, bad batches."""
 
 from __future__ import annotations

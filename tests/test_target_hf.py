@@ -1,4 +1,4 @@
-"""Our transformer equals transformers on random tiny checkpoints (DESIGN §4): prefill,
+"""Our transformer equals transformers on random tiny checkpoints (docs/architecture.md §4): prefill,
 token-by-token decode, the training forward, taps, save_pretrained round trips, greedy
 generation."""
 

@@ -1,4 +1,4 @@
-"""Ragged verify (DESIGN §4): a flattened batch of requests with different prefix and
+"""Ragged verify (docs/architecture.md §4): a flattened batch of requests with different prefix and
 new-token lengths equals running each request alone; rollback leaves exactly the cache of
 the accepted tokens; plain generate streams, seeds, waves and releases its slots."""
 

@@ -1,4 +1,4 @@
-"""`dspark train` (DESIGN §8) on the tiny checkpoint: data generation, the loss, resumable
+"""`dspark train` (docs/architecture.md §8) on the tiny checkpoint: data generation, the loss, resumable
 checkpoints, export of every drafter kind, and DDP (2 processes = 1 process)."""
 
 from __future__ import annotations
@@ -67,7 +67,7 @@ def test_make_data_is_target_sampled_with_a_loss_mask(tiny_ckpt, data_dir):
 
 
 def test_t1_share_continues_that_share_of_prompts_at_plain_t1(tiny_ckpt, data_dir, tmp_path):
-    """`--t1-share`: the chosen rows are sampled at T = 1 (no top-k/top-p), the rest as DESIGN §8."""
+    """`--t1-share`: the chosen rows are sampled at T = 1 (no top-k/top-p), the rest as architecture §8."""
     target = TargetEngine.from_pretrained(tiny_ckpt, capacity=6, max_seq_len=64)
     meta = make_data(target, data_dir.parent, tmp_path / "mixed", n_per_domain=2, max_new=20, min_prompt=4,
                      max_prompt=10, batch=6, t1_share=0.5)

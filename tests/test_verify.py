@@ -1,4 +1,4 @@
-"""Lossless verification (DESIGN §6): the emitted tokens follow the target's distribution.
+"""Lossless verification (docs/architecture.md §6): the emitted tokens follow the target's distribution.
 
 Distribution tests batch 1e5 independent requests as rows of one ragged call. Target and
 drafter are first-order Markov chains on a small vocabulary, so the joint of the first two

@@ -1,5 +1,5 @@
 """Build the three-domain demo corpus (code, prose, math), split into train / held-out by
-document, deterministically (DESIGN §8: prompts for drafter training come from here).
+document, deterministically (docs/architecture.md §8: prompts for drafter training come from here).
 
 - code: the running interpreter's standard library source (`sysconfig` stdlib path),
   test packages excluded. Different machines ship slightly different trees, so the

@@ -2,7 +2,7 @@
 split into flat uint16 token files (documents joined by EOS) for training and evaluation.
 
 Special tokens get the first ids: EOS "<|endoftext|>" = 0, PAD "<|pad|>" = 1,
-MASK "<|mask|>" = 2 (the drafters' block-filler token, DESIGN §5).
+MASK "<|mask|>" = 2 (the drafters' block-filler token, docs/architecture.md §5).
 
     python build/demo/tokenizer.py [--corpus work/corpus] [--out work] [--vocab 8192]
 """

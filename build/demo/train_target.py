@@ -1,6 +1,6 @@
 """Train the demo target: a small Qwen3-architecture LM built with the project's own model
 code (`dspark.runtime.model.Transformer.forward_train`), saved as a Hugging Face folder with
-`dspark.runtime.loader.save_pretrained` (DESIGN §4).
+`dspark.runtime.loader.save_pretrained` (docs/architecture.md §4).
 
 Schedule: AdamW, linear warmup then cosine decay to 10 % of the peak LR. With a
 `--time-budget` (the machine is shared, so throughput varies), the schedule's progress is

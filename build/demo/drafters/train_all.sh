@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Train the shipped demo drafters on the demo target (DESIGN §8): one data folder, then the
+# Train the shipped demo drafters on the demo target (docs/architecture.md §8): one data folder, then the
 # five drafters one after another with the SAME budget (steps x sequences x anchors).
 #   bash build/demo/drafters/train_all.sh            # STEPS=... N_PER_DOMAIN=... T1_SHARE=... to resize
 # It resumes from build/demo/work/train/NAME checkpoints and reuses build/demo/work/drafter_data:

@@ -1,4 +1,4 @@
-"""dspark: the decoupled decoding model (DESIGN §10).
+"""dspark: the decoupled decoding model (docs/architecture.md §10).
 
 `execute` only validates and hands requests to the ONE engine loop (`dspark.runtime.engine.SpecEngine`
 over the in-process `TargetEngine` and an optional drafter), which a background thread

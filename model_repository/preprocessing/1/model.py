@@ -1,4 +1,4 @@
-"""preprocessing: text_input -> input_ids with the target's tokenizer.json (DESIGN §10).
+"""preprocessing: text_input -> input_ids with the target's tokenizer.json (docs/architecture.md §10).
 An empty prompt is rejected here with INVALID_ARG naming `text_input`."""
 
 from __future__ import annotations

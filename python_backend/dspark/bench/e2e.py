@@ -1,4 +1,4 @@
-"""`dspark bench`: end-to-end speculative decoding benchmark (DESIGN §2, §9), one run, same
+"""`dspark bench`: end-to-end speculative decoding benchmark (docs/architecture.md §2, §9), one run, same
 target and prompts (code and math, greedy) for every method:
 - batch 1 tokens/s: our engine with the drafter + scheduler ("dspark"), our plain decoding
   (the same loop, no drafter), and transformers `generate` plain, with `assistant_model`

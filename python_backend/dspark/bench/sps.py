@@ -1,4 +1,4 @@
-"""`dspark profile-sps`: measure target steps/second vs token batch size B (DESIGN §7).
+"""`dspark profile-sps`: measure target steps/second vs token batch size B (docs/architecture.md §7).
 
 One engine step = `TargetEngine.verify` of a ragged batch of R = ceil(B / tokens_per_request)
 requests holding B new tokens in total (what a speculative step sends: anchor + drafts),

@@ -1,4 +1,4 @@
-"""The flattened ragged batch the target verifies (DESIGN §2, §4): all requests' new
+"""The flattened ragged batch the target verifies (docs/architecture.md §2, §4): all requests' new
 tokens concatenated, with `seq_idx` marking which request each token belongs to and
 `cu_seqlens` giving each request's [start, end) in the flat layout."""
 

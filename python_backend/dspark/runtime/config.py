@@ -1,4 +1,4 @@
-"""Model configuration parsed from a Hugging Face `config.json` (DESIGN §4).
+"""Model configuration parsed from a Hugging Face `config.json` (docs/architecture.md §4).
 
 One flat dataclass covers the three decoder families we serve: Qwen3 (q/k RMSNorm per
 head, explicit head_dim), Llama (optional attention / MLP bias, llama3 RoPE scaling) and

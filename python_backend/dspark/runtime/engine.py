@@ -1,4 +1,4 @@
-"""The speculative engine loop (DESIGN §2): continuous batching over a `TargetLike` and an
+"""The speculative engine loop (docs/architecture.md §2): continuous batching over a `TargetLike` and an
 optional `DrafterLike`. One implementation serves the CLI, benchmarks, `dspark eval` and
 the Triton BLS model (which runs `step()` in a background thread with remote stubs), so
 nothing here knows about transports. With no drafter, or policy `none`, it is plain
@@ -58,7 +58,7 @@ class Request:
 
     @property
     def tau(self) -> float:
-        """Mean accepted length τ = tokens emitted / verify steps, the bonus included (DESIGN §9)."""
+        """Mean accepted length τ = tokens emitted / verify steps, the bonus included (architecture §9)."""
         return self.verify_emitted / max(self.verify_steps, 1)
 
 
@@ -152,7 +152,7 @@ class SpecEngine:
 
     # ---- the loop ----
     def step(self) -> None:
-        """One engine step for every active request (DESIGN §2)."""
+        """One engine step for every active request (docs/architecture.md §2)."""
         t_start = time.perf_counter()
         clock = {k: 0.0 for k in TIMERS}
         self._apply_cancellations()
@@ -180,7 +180,7 @@ class SpecEngine:
             survival = sts_survival(block.conf_logits, self.sts_temperatures)
             survival = survival * torch.tensor([r.drafting for r in reqs])[:, None]  # failed drafters: ℓ = 0
             ells = self.policy.decide(survival, remaining).to(torch.int64)
-            ells = torch.minimum(ells.clamp(0, g), (remaining - 1).clamp(min=0))  # DESIGN §7 caps
+            ells = torch.minimum(ells.clamp(0, g), (remaining - 1).clamp(min=0))  # architecture §7 caps
         else:
             block = DraftBlock(torch.zeros(R, max(g, 1), dtype=torch.int64), None, torch.zeros(R, max(g, 1)))
             ells = torch.zeros(R, dtype=torch.int64)
@@ -208,7 +208,7 @@ class SpecEngine:
         self.metrics.verify_budget += sum(ell)
         clock["accept"] += time.perf_counter() - t
         t = time.perf_counter()
-        if self.policy is not None:  # drafter context gets [x0, accepted drafts] even when ℓ = 0 (DESIGN §5)
+        if self.policy is not None:  # drafter context gets [x0, accepted] even at ℓ = 0 (arch. §5)
             live = [i for i, r in enumerate(reqs) if not r.finished and r.drafting]
             self._drafter_call(
                 [reqs[i] for i in live], self.drafter.extend, [reqs[i].slot for i in live],

@@ -1,4 +1,4 @@
-"""The two contracts the engine loop talks to (DESIGN §2). The in-process engine passes
+"""The two contracts the engine loop talks to (docs/architecture.md §2). The in-process engine passes
 `dspark.runtime.target.TargetEngine` and a drafter from `dspark.runtime.drafter`; inside Triton the BLS
 model passes thin stubs that forward the same calls to the `target` / `drafter` models."""
 
@@ -37,7 +37,7 @@ class TargetLike(Protocol):
 class DraftBlock:
     tokens: torch.Tensor  # [R, γ] i64, the proposed tokens d_1..d_γ
     probs: torch.Tensor  # [R, γ, V] f32, the exact distribution each d_k was sampled from
-    conf_logits: torch.Tensor  # [R, γ] f32, confidence logits z_k (survival via STS, DESIGN §7)
+    conf_logits: torch.Tensor  # [R, γ] f32, confidence logits z_k (survival via STS, docs/architecture.md §7)
 
 
 class DrafterLike(Protocol):

@@ -1,4 +1,4 @@
-"""Fixed-slot KV cache (DESIGN §4): `capacity` slots of `max_seq_len` tokens each.
+"""Fixed-slot KV cache (docs/architecture.md §4): `capacity` slots of `max_seq_len` tokens each.
 
 Layout per layer (fixed: the Triton varlen attention kernel indexes it directly):
     k[layer], v[layer]: [capacity, n_kv_heads, max_seq_len, head_dim]

@@ -1,4 +1,4 @@
-"""Read and write Hugging Face checkpoint folders (DESIGN §4).
+"""Read and write Hugging Face checkpoint folders (docs/architecture.md §4).
 
 A folder holds config.json, model.safetensors (or a sharded model.safetensors.index.json),
 tokenizer.json and generation_config.json. Loading checks every tensor's name and shape

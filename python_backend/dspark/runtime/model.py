@@ -1,4 +1,4 @@
-"""Our decoder-only transformer (Qwen3 / Llama / Qwen2 family), DESIGN §4.
+"""Our decoder-only transformer (Qwen3 / Llama / Qwen2 family), docs/architecture.md §4.
 
 Two forwards share the same weights:
 - `forward_train(tokens [B,T])`: plain causal, autograd-friendly (demo-model and drafter training).

@@ -1,4 +1,4 @@
-"""Compiled hot path of the scheduler (DESIGN §7): caps, the candidate ranking, top-K
+"""Compiled hot path of the scheduler (docs/architecture.md §7): caps, the candidate ranking, top-K
 admission and the Θ budgets, as numba kernels over a γ-major survival matrix a [γ, R].
 
 Why compiled: one `decide` for R = 256, γ = 16 touches 4096 candidates a few times; as

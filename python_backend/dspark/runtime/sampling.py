@@ -1,7 +1,7 @@
 """Per-request sampling parameters and the one function that turns logits into the
 distribution a token is drawn from. Draft, target, verification and plain decoding all
 call `sampling_probs`, so temperature / top-k / top-p are applied identically everywhere
-(DESIGN §5, §6: lossless verification needs p_d and p_t filtered the same way)."""
+(docs/architecture.md §5, §6: lossless verification needs p_d and p_t filtered the same way)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Prefix scheduler: how many draft tokens ℓ_r each request sends to verification (DESIGN §7).
+"""Prefix scheduler: how many draft tokens ℓ_r each request sends to verification (docs/architecture.md §7).
 
 Every policy maps the current survival matrix a [R, γ] (a[r,j] = Π_{i≤j} ĉ[r,i], the
 calibrated probability that d_{r,1..j} are all accepted) and the requests' remaining
@@ -17,7 +17,7 @@ Policies (`make_policy(spec)`):
       shows the walk within 1 % of the argmax's Θ (no cliff worth crossing at this load),
       else K = max(K_t, walk); admit the global top-K candidates by CURRENT survival. The
       walk matters at low concurrency on a steep SPS, where one request's t−2 snapshot is
-      a noisy guess; `dspark:delayed` is K = K_t alone, DESIGN §7 verbatim).
+      a noisy guess; `dspark:delayed` is K = K_t alone, docs/architecture.md §7 verbatim).
   retrospective (NOT a production policy: the negative control of the Appendix A harness
       and tests; dspark's global argmax evaluated on the CURRENT survivals).
 Caps for all: ℓ_r ≤ γ, ℓ_r ≤ remaining_r − 1 (the corrected/bonus token is always
@@ -33,7 +33,7 @@ first call (no history) the budget is K = R, i.e. an MTP-1-sized budget spread o
 globally best candidates. If R changed since the snapshot, the snapshot's sorted values
 are quantile-resampled to R·γ entries (repetition when R doubled, etc.).
 
-Non-anticipation (DESIGN §6): admission of (r, j) may depend on d_{r,<j} (hence on
+Non-anticipation (docs/architecture.md §6): admission of (r, j) may depend on d_{r,<j} (hence on
 a[r,≤j]), on other requests and on older steps, never on a[r,>j] (which is computed from
 d_{r,j}). Conclusion for each policy:
 - Ranking: the rank of (r, j) counts candidates ranked above it; (r, >j) are always
@@ -70,7 +70,7 @@ from dspark.runtime.sps import SPSTable
 
 
 def sts_survival(conf_logits: torch.Tensor, temperatures: torch.Tensor) -> torch.Tensor:
-    """Sequential Temperature Scaling (DESIGN §8): ĉ = σ(z / T_k), survival = cumprod over k."""
+    """Sequential Temperature Scaling (docs/architecture.md §8): ĉ = σ(z / T_k), survival = cumprod over k."""
     temps = torch.as_tensor(temperatures, dtype=conf_logits.dtype, device=conf_logits.device)
     return torch.cumprod(torch.sigmoid(conf_logits / temps), dim=-1)
 
@@ -199,7 +199,7 @@ class DSpark(Policy):
     which adapts to this block's confidences (what one request's t−2 snapshot cannot do at
     low concurrency on a steep SPS). If, on the snapshot, the walk gets within `walk_tol`
     of the argmax's Θ, there is no cliff worth crossing: K = walk; else K = max(K_t, walk).
-    Admit the top K by current survival. `dspark:delayed` is K = K_t (DESIGN §7 verbatim).
+    Admit the top K by current survival. `dspark:delayed` is K = K_t (docs/architecture.md §7 verbatim).
 
     Non-anticipation: the branch is chosen on step t−2 data; then (r, j) at rank p is
     admitted iff p < K_t (max branch) or Θ improved at every rank ≤ p (reads ranks ≤ p only,

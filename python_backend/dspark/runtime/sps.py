@@ -1,4 +1,4 @@
-"""Steps-per-second table: how fast one engine step runs at token batch size B (DESIGN §7).
+"""Steps-per-second table: how fast one engine step runs at token batch size B (docs/architecture.md §7).
 
 `sps.json` holds `device`, `model`, `batch_tokens` (ascending profiled sizes) and
 `steps_per_second` (one per size). A lookup at B uses the NEXT profiled bucket >= B, like

@@ -1,4 +1,4 @@
-"""The in-process target engine (DESIGN §4): our transformer + a fixed-slot KV cache,
+"""The in-process target engine (docs/architecture.md §4): our transformer + a fixed-slot KV cache,
 implementing `dspark.runtime.interfaces.TargetLike` (prefill, ragged verify, slot management).
 Plain decoding is the engine loop with no drafter (`SpecEngine(target).generate`)."""
 

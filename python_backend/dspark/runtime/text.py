@@ -6,7 +6,7 @@ Streaming text out of a token stream has two traps this module handles once:
   until the character is complete, so no delta ever carries half a character;
 - a stop string can arrive split over several deltas: `StopStringMatcher` holds back any
   tail that could still grow into a stop string and cuts the text at the earliest match.
-`TextStream` chains both; the `dspark` BLS model keeps one per request (DESIGN §10).
+`TextStream` chains both; the `dspark` BLS model keeps one per request (docs/architecture.md §10).
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Lossless verification of ragged draft blocks (DESIGN §6).
+"""Lossless verification of ragged draft blocks (docs/architecture.md §6).
 
 Layout: request r verified ℓ_r draft tokens in a flattened target forward; its rows are
 target_logits[cu[r] : cu[r+1]] with cu[r+1] - cu[r] == ℓ_r + 1. Row cu[r] + j is the
@@ -24,7 +24,7 @@ import torch
 
 from dspark.runtime.sampling import SamplingParams, param_tensors, sampling_probs
 
-# Residual mass at or below this counts as zero: fall back to p_t (DESIGN §6).
+# Residual mass at or below this counts as zero: fall back to p_t (docs/architecture.md §6).
 ZERO_MASS = 1e-6
 
 
@@ -142,7 +142,7 @@ def verify_ragged(
     generators: list[torch.Generator | None],
     uniforms: torch.Tensor | None = None,  # [R, γ+1] f32: pre-drawn randomness (overrides generators)
 ) -> VerifyResult:
-    """Accept a prefix of each request's draft plus one corrected/bonus token (DESIGN §6).
+    """Accept a prefix of each request's draft plus one corrected/bonus token (docs/architecture.md §6).
     p_t = sampling_probs(target logits) with the request's temperature/top-k/top-p — the
     same filter the drafter applied to produce draft_probs."""
     r_count, gamma = draft_tokens.shape

@@ -1,4 +1,4 @@
-"""Engine metrics on Triton's metrics port (DESIGN §10) via the Python backend's
+"""Engine metrics on Triton's metrics port (docs/architecture.md §10) via the Python backend's
 `pb_utils.MetricFamily`: counters are advanced by the deltas of `EngineMetrics` since the
 last `update`, gauges are set. `pb_utils` is passed in because it exists only inside the
 backend stub; everything else here is plain Python, so the delta logic is testable anywhere.

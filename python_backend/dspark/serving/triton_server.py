@@ -1,4 +1,4 @@
-"""Run the real `tritonserver` shipped in the nvidia-pytriton wheel (DESIGN §10).
+"""Run the real `tritonserver` shipped in the nvidia-pytriton wheel (docs/architecture.md §10).
 
 The wheel holds the server binary, its shared libraries (`nvidia_pytriton.libs`), the
 Python backend and one backend stub per Python version. `TritonServer` assembles a

@@ -1,9 +1,9 @@
-"""Non-anticipation harness on the paper's Appendix A setup (DESIGN §6).
+"""Non-anticipation harness on the paper's Appendix A setup (docs/architecture.md §6).
 
 Setup (one request per step, γ = 2, vocabulary {a, b} = {0, 1}):
   target p_t = (0.7, 0.3) and drafter p_d = (0.5, 0.5) at every position;
   SPS(1, 2, 3) = (1, 0.5, 0.45) steps/second at token batch size B = 1 + ℓ.
-The tiny drafter's confidence head sees the previous token, like DESIGN §5's
+The tiny drafter's confidence head sees the previous token, like docs/architecture.md §5's
 c_k = σ(wᵀ[h_k; W1[x_{k−1}]] + b): c_1 = 0.8 = Σ_v min(p_t, p_d) (from the anchor) and
 c_{k+1} = CONF_AFTER[d_k] = (1.0, 0.5): after an `a` (accepted w.p. 1) it is confident, after
 a `b` (accepted w.p. 0.6) it is not. Survival a_j = Π_{i≤j} c_i, so a_2 is computed from d_1.
@@ -77,7 +77,7 @@ def policy_lengths(spec: str, survival: torch.Tensor) -> torch.Tensor:
 
 
 def first_tokens(tokens: torch.Tensor, lengths: torch.Tensor, g: torch.Generator) -> torch.Tensor:
-    """Verify every step (one ragged call, DESIGN §6) and return the first emitted token."""
+    """Verify every step (one ragged call, docs/architecture.md §6) and return the first emitted token."""
     num = tokens.shape[0]
     cu = torch.zeros(num + 1, dtype=torch.int64)
     cu[1:] = (lengths + 1).cumsum(0)

@@ -1,5 +1,5 @@
 """`dspark calibrate`: Sequential Temperature Scaling of a drafter's confidence head
-(DESIGN §8).
+(docs/architecture.md §8).
 
 The drafter runs against the target with a fixed verify length γ (scheduler off, so
 each request's blocks are what batch 1 gives), on held-out prompts. Every drafted block

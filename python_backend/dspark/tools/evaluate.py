@@ -1,4 +1,4 @@
-"""`dspark eval`: offline drafter evaluation on the real speculative loop (DESIGN §9).
+"""`dspark eval`: offline drafter evaluation on the real speculative loop (docs/architecture.md §9).
 
 For every drafter × temperature × γ × domain it runs `SpecEngine` with the scheduler off
 (policy fixed:γ: every request verifies its own γ drafts with its own generator, so its

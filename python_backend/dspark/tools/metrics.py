@@ -1,4 +1,4 @@
-"""Offline drafter metrics (DESIGN §9): calibration (ECE, reliability data), ranking
+"""Offline drafter metrics (docs/architecture.md §9): calibration (ECE, reliability data), ranking
 quality (AUROC), per-position conditional acceptance and mean accepted length τ.
 
 Everything takes plain sequences / numpy arrays / tensors and returns Python floats or
@@ -11,7 +11,7 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-ECE_BINS = 20  # DESIGN §9: 20 equal-width bins
+ECE_BINS = 20  # docs/architecture.md §9: 20 equal-width bins
 
 
 def _np(x) -> np.ndarray:
@@ -84,7 +84,7 @@ def sigmoid(x: np.ndarray) -> np.ndarray:
 
 def survival(conf_logits: torch.Tensor,
              temperatures: Sequence[float] | torch.Tensor | None = None) -> torch.Tensor:
-    """STS survival â_k = Π_{i≤k} σ(z_i / T_i) (DESIGN §2, §8) for logits [..., γ];
+    """STS survival â_k = Π_{i≤k} σ(z_i / T_i) (docs/architecture.md §2, §8) for logits [..., γ];
     temperatures [≥γ] (None = all 1)."""
     z = conf_logits.double()
     g = z.shape[-1]
@@ -116,5 +116,5 @@ def conditional_acceptance(n_accepted, n_verified, gamma: int) -> dict[str, list
 
 def tau(tokens_emitted: int | float, verify_steps: int | float) -> float:
     """Mean accepted length τ = emitted tokens / target verify steps, the bonus (or
-    corrected) token included (DESIGN §9); nan with no steps."""
+    corrected) token included (docs/architecture.md §9); nan with no steps."""
     return float(tokens_emitted) / float(verify_steps) if verify_steps else float("nan")

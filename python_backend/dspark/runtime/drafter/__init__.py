@@ -1,4 +1,4 @@
-"""Drafters (DESIGN §5), all implementing `dspark.runtime.interfaces.DrafterLike`."""
+"""Drafters (docs/architecture.md §5), all implementing `dspark.runtime.interfaces.DrafterLike`."""
 
 from __future__ import annotations
 

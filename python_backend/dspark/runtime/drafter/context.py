@@ -1,4 +1,4 @@
-"""Per-slot context cache of a drafter (DESIGN §5).
+"""Per-slot context cache of a drafter (docs/architecture.md §5).
 
 Each engine slot owns named streams of rows that only grow (e.g. the drafter's per-layer
 K/V of the projected target taps, or the tokens of the request). Rows live in buffers that

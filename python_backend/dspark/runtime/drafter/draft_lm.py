@@ -1,4 +1,4 @@
-"""Classic draft-target baseline (DESIGN §5): a standalone small LM (our Qwen3 implementation,
+"""Classic draft-target baseline (docs/architecture.md §5): a standalone small LM (our Qwen3 implementation,
 saved as a Hugging Face folder so transformers' `assistant_model` can load it too), wrapped
 as a `DrafterLike` with its own KV cache (a `TargetEngine` over the draft checkpoint).
 

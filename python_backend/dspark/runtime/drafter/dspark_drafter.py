@@ -1,4 +1,4 @@
-"""The DSpark drafter (DESIGN §5): a DFlash-style parallel backbone on projected target taps,
+"""The DSpark drafter (docs/architecture.md §5): a DFlash-style parallel backbone on projected target taps,
 a sequential head (Markov / RNN / none) sampled left to right, and a confidence head.
 
 Context (per slot): H_ctx = RMSNorm(W_c [taps]) of every token in the target's KV cache;

@@ -1,4 +1,4 @@
-"""EAGLE-3-style baseline drafter (DESIGN §5): one decoder layer on the target's fused
+"""EAGLE-3-style baseline drafter (docs/architecture.md §5): one decoder layer on the target's fused
 low/mid/high taps, autoregressive over γ steps, feeding its own hidden state back.
 
 Position i of a sequence has input (f_i, emb(t_{i+1})) where f_i = W_f [taps_i] for tokens in

@@ -1,4 +1,4 @@
-"""Sequential heads and the confidence head of the DSpark drafter (DESIGN §5).
+"""Sequential heads and the confidence head of the DSpark drafter (docs/architecture.md §5).
 
 The parallel backbone gives base logits U_k for every block position at once; a sequential
 head adds a bias B_k(x_{k-1}, ·) so the block is sampled left to right and stays coherent:
@@ -9,7 +9,7 @@ rank-r features F_k; `bias(F_k) = W2 F_k` is the [V] logit bias, applied after t
 has kept only the rows it needs (the V-wide product dominates the cost).
 
 The confidence head c_k = σ(wᵀ[h_k; W1[x_{k-1}]] + b) reads the backbone output h_k and the
-previous token only, so it never depends on x_k (DESIGN §6, non-anticipation)."""
+previous token only, so it never depends on x_k (docs/architecture.md §6, non-anticipation)."""
 
 from __future__ import annotations
 
@@ -44,7 +44,7 @@ class MarkovHead(nn.Module):
 
 class RNNHead(nn.Module):
     """z_k = [s_{k-1}; W1[x_{k-1}]; h_k] -> Linear(2r+d, 3r) -> g, c, o;
-    s_k = σ(g)⊙s_{k-1} + (1-σ(g))⊙tanh(c), s_0 = 0; B_k = W2 tanh(o)   (DESIGN §5)."""
+    s_k = σ(g)⊙s_{k-1} + (1-σ(g))⊙tanh(c), s_0 = 0; B_k = W2 tanh(o)   (docs/architecture.md §5)."""
 
     def __init__(self, vocab_size: int, hidden_size: int, rank: int) -> None:
         super().__init__()

@@ -1,4 +1,4 @@
-"""Prompt lookup / n-gram drafter (DESIGN §5 baselines): no model. It proposes the tokens that
+"""Prompt lookup / n-gram drafter (docs/architecture.md §5 baselines): no model. It proposes the tokens that
 followed the most recent earlier occurrence of the longest suffix (n down to min_n tokens)
 of the request's own sequence (prompt + accepted tokens + anchor).
 
