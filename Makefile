@@ -1,4 +1,4 @@
-.PHONY: setup test test-slow test-all lint serve demo-assets
+.PHONY: setup test test-slow test-all lint typecheck serve demo-assets
 VENV := .venv/bin
 
 setup:            ## create .venv and install everything (idempotent)
@@ -12,6 +12,9 @@ test-slow:        ## the slow tests too
 
 lint:
 	$(VENV)/ruff check .
+
+typecheck:        ## mypy on the serving runtime (python_backend/dspark/runtime + wiring.py)
+	$(VENV)/mypy
 
 serve:            ## Triton server on the shipped demo model
 	$(VENV)/dspark serve

@@ -41,7 +41,7 @@ def cu_from(lengths: torch.Tensor, dev: str) -> torch.Tensor:
 
 
 def bench_rejection(r: int, gamma: int, rep_ms: int) -> dict:
-    from dspark.runtime.verify import rejection_sample_ref
+    from dspark_kernels.reference import rejection_sample_ref
     from dspark_kernels.rejection import rejection_sample_triton
 
     dev, g = "cuda", torch.Generator().manual_seed(0)
@@ -53,15 +53,17 @@ def bench_rejection(r: int, gamma: int, rep_ms: int) -> dict:
     rows_r = torch.repeat_interleave(torch.arange(r), lengths + 1).to(dev)
     rows_j = (torch.arange(n, device=dev) - cu[rows_r]).clamp(max=gamma - 1)
     p_t = 0.8 * p_d[rows_r, rows_j] + 0.2 * torch.softmax(torch.randn(n, VOCAB, device=dev), -1)
+    verified = torch.arange(gamma)[None, :] < lengths[:, None]
+    q_flat = p_d[verified.to(dev)]  # [Σℓ, V]: only the verified rows (the flat contract)
     u = torch.rand(r, gamma + 1, device=dev)
-    args = (p_t, drafts, p_d, cu, u)
+    args = (p_t, drafts, q_flat, cu, u)
     ref, got = rejection_sample_ref(*args), rejection_sample_triton(*args)
     # Must move: the ℓ accepted-token probabilities (negligible) + the final p_t row and the
     # rejected row's p_d (read once each) per request.
     min_bytes = r * VOCAB * 4 * 2
     return {
         "kernel": "rejection", "R": r, "gamma": gamma, "V": VOCAB, "N": n,
-        "matches_reference": bool(torch.equal(ref.tokens, got.tokens)),
+        "matches_reference": bool(torch.equal(ref[1], got[1])),
         "triton_ms": timed(lambda: rejection_sample_triton(*args), rep_ms),
         "torch_ms": timed(lambda: rejection_sample_ref(*args), rep_ms),
         "min_bytes": min_bytes,
@@ -69,7 +71,8 @@ def bench_rejection(r: int, gamma: int, rep_ms: int) -> dict:
 
 
 def bench_attention(r: int, gamma: int, rep_ms: int, context: int = 2048) -> dict:
-    from dspark_kernels.varlen_attention import varlen_attention_ref, varlen_attention_triton
+    from dspark_kernels.reference import varlen_attention_ref
+    from dspark_kernels.varlen_attention import varlen_attention_triton
 
     dev, g = "cuda", torch.Generator().manual_seed(0)
     n_heads, n_kv, head_dim, dtype = 32, 8, 128, torch.bfloat16  # Qwen3-8B attention shape
@@ -98,7 +101,8 @@ def bench_attention(r: int, gamma: int, rep_ms: int, context: int = 2048) -> dic
 
 
 def bench_block_sample(r: int, gamma: int, rep_ms: int, filtered: bool, rank: int = 256) -> dict:
-    from dspark_kernels.block_sample import block_sample_ref, block_sample_triton
+    from dspark_kernels.block_sample import block_sample_triton
+    from dspark_kernels.reference import block_sample_ref
 
     dev = "cuda"
     base = torch.randn(r, gamma, VOCAB, device=dev, dtype=torch.bfloat16) * 3

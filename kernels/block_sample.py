@@ -10,7 +10,7 @@ next position, so the loop never syncs with the host.
 Filtering inside the kernel: logits are mapped to order-preserving int32 keys (negative
 floats get their magnitude bits flipped; inlined, the interpreter is slow on nested calls); the top-k
 threshold (k-th largest key) and the top-p threshold (smallest key t whose mass strictly
-above t is < top_p, docs/architecture.md §6 uses the same rule via sampling_probs) are found by exact
+above t is < top_p, architecture §6 uses the same rule) are found by exact
 32-step bisection over the key space, each step one pass over the row. Rows without top-k /
 top-p skip those passes. Ties between equal logits may keep a few extra tokens where
 sampling_probs' stable sort keeps exactly k (measure zero for real logits).
@@ -22,8 +22,9 @@ import torch
 import triton
 import triton.language as tl
 
-from dspark.runtime.sampling import sampling_probs
-from dspark.runtime.verify import sample_inverse_cdf, use_triton
+from dspark_kernels.reference import block_sample_ref
+
+__all__ = ["block_sample_triton", "block_sample_ref"]
 
 
 @triton.jit
@@ -185,43 +186,3 @@ def block_sample_triton(
         )
         prev = tokens[:, k]
     return tokens, probs
-
-
-def block_sample_ref(
-    base_logits: torch.Tensor,
-    anchors: torch.Tensor,
-    w1: torch.Tensor | None,
-    w2: torch.Tensor | None,
-    temperature: torch.Tensor,
-    top_k: torch.Tensor,
-    top_p: torch.Tensor,
-    uniforms: torch.Tensor,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Torch reference: sampling_probs per position, inverse-CDF draw with the same uniforms."""
-    r, gamma, v = base_logits.shape
-    tokens = torch.empty(r, gamma, dtype=torch.int64, device=base_logits.device)
-    probs = torch.empty(r, gamma, v, dtype=torch.float32, device=base_logits.device)
-    prev = anchors.long()
-    for k in range(gamma):
-        logits = base_logits[:, k].float()
-        if w1 is not None:
-            logits = logits + w1[prev].float() @ w2.float().T
-        probs[:, k] = sampling_probs(logits, temperature, top_k, top_p)
-        tokens[:, k] = sample_inverse_cdf(probs[:, k], uniforms[:, k])
-        prev = tokens[:, k]
-    return tokens, probs
-
-
-def block_sample(
-    base_logits: torch.Tensor,
-    anchors: torch.Tensor,
-    w1: torch.Tensor | None,
-    w2: torch.Tensor | None,
-    temperature: torch.Tensor,
-    top_k: torch.Tensor,
-    top_p: torch.Tensor,
-    uniforms: torch.Tensor,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Dispatch: Triton kernel on CUDA (or DSPARK_KERNELS=triton), else the torch reference."""
-    fn = block_sample_triton if use_triton(base_logits) else block_sample_ref
-    return fn(base_logits, anchors, w1, w2, temperature, top_k, top_p, uniforms)

@@ -1,10 +1,12 @@
-"""Ragged rejection sampling as a Triton kernel (docs/architecture.md §6).
+"""Ragged rejection sampling as a Triton kernel (architecture §6).
 
 One program per request r walks its rows cu[r] .. cu[r+1]-1 of the flattened target
 probabilities: accept d_j while u_j · p_d(d_j) < p_t(d_j), then draw the corrected token from
 norm(max(0, p_t − p_d)) (p_t when that mass is ~0) or the bonus token from p_t, by inverse
 CDF over the vocabulary in BLOCK_V chunks (pass 1: mass, pass 2: running cumsum).
-Torch reference: dspark.runtime.verify.rejection_sample_ref (same uniforms in, same tokens out).
+Draft probabilities are flat: row cu[r] - r + j holds p_d of d_{r,j+1} (one row per verified
+draft, see dspark_kernels.reference). Torch reference: reference.rejection_sample_ref (same
+uniforms in, same tokens out).
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from dspark.runtime.verify import ZERO_MASS, VerifyResult, rejection_sample_ref
+from dspark_kernels.reference import ZERO_MASS, rejection_sample_ref
 
 __all__ = ["rejection_sample_triton", "rejection_sample_ref"]
 
@@ -22,7 +24,7 @@ __all__ = ["rejection_sample_triton", "rejection_sample_ref"]
 def _rejection_kernel(
     target_probs_ptr,  # [N, V] f32, p_t of every flattened row
     draft_tokens_ptr,  # [R, GAMMA] i64
-    draft_probs_ptr,  # [R, GAMMA, V] f32 (not read when HAS_DRAFT_PROBS is False)
+    draft_probs_ptr,  # [Σℓ, V] f32 flat, row cu[r] - r + j (not read when HAS_DRAFT_PROBS is False)
     cu_seqlens_ptr,  # [R+1] i64, request r owns rows cu[r] .. cu[r+1]-1 (ℓ_r + 1 rows)
     uniforms_ptr,  # [R, GAMMA+1] f32, GAMMA acceptance uniforms then one for the final draw
     out_tokens_ptr,  # [R, GAMMA+1] i64, accepted drafts, corrected/bonus token, -1 padding
@@ -44,7 +46,7 @@ def _rejection_kernel(
         d = tl.load(draft_tokens_ptr + r * GAMMA + n)
         pt = tl.load(target_probs_ptr + (start + n) * V + d)
         if HAS_DRAFT_PROBS:
-            pd = tl.load(draft_probs_ptr + (r * GAMMA + n) * V + d)
+            pd = tl.load(draft_probs_ptr + (start - r + n) * V + d)
         else:
             pd = 1.0
         u = tl.load(uniforms_ptr + r * (GAMMA + 1) + n)
@@ -69,7 +71,7 @@ def _rejection_kernel(
         in_v = offs < V
         pt = tl.load(target_probs_ptr + row * V + offs, mask=in_v, other=0.0)
         if HAS_DRAFT_PROBS:
-            pd = tl.load(draft_probs_ptr + (r * GAMMA + jj) * V + offs, mask=offs < pd_end, other=0.0)
+            pd = tl.load(draft_probs_ptr + (start - r + jj) * V + offs, mask=offs < pd_end, other=0.0)
         else:
             pd = tl.where(offs == d_rej, 1.0, 0.0)
         res = tl.maximum(pt - pd, 0.0)
@@ -90,7 +92,7 @@ def _rejection_kernel(
         in_v = offs < V
         pt = tl.load(target_probs_ptr + row * V + offs, mask=in_v, other=0.0)
         if HAS_DRAFT_PROBS:
-            pd = tl.load(draft_probs_ptr + (r * GAMMA + jj) * V + offs, mask=offs < pd_end, other=0.0)
+            pd = tl.load(draft_probs_ptr + (start - r + jj) * V + offs, mask=offs < pd_end, other=0.0)
         else:
             pd = tl.where(offs == d_rej, 1.0, 0.0)
         w = tl.where(fallback, pt, tl.maximum(pt - pd, 0.0))
@@ -109,18 +111,18 @@ def _rejection_kernel(
 def rejection_sample_triton(
     target_probs: torch.Tensor,  # [N, V] f32
     draft_tokens: torch.Tensor,  # [R, γ] i64
-    draft_probs: torch.Tensor | None,  # [R, γ, V] f32 or None (one-hot drafts)
+    draft_probs: torch.Tensor | None,  # [Σℓ, V] f32 flat, or None (one-hot drafts)
     cu_seqlens: torch.Tensor,  # [R+1] i64
     uniforms: torch.Tensor,  # [R, γ+1] f32
     block_v: int = 1024,
-) -> VerifyResult:
-    """Launch one program per request; same contract as dspark.runtime.verify.rejection_sample_ref."""
+) -> tuple[torch.Tensor, torch.Tensor]:  # num_accepted [R] i64, tokens [R, γ+1] i64
+    """Launch one program per request; same contract as reference.rejection_sample_ref."""
     r_count, gamma = draft_tokens.shape
     v = target_probs.shape[1]
     dev = target_probs.device
     target_probs = target_probs.float().contiguous()
     draft_tokens = draft_tokens.long().contiguous()
-    has_draft_probs = draft_probs is not None
+    has_draft_probs = draft_probs is not None and draft_probs.shape[0] > 0
     draft_probs = draft_probs.float().contiguous() if has_draft_probs else target_probs
     out_tokens = torch.empty(r_count, gamma + 1, dtype=torch.int64, device=dev)
     out_accepted = torch.empty(r_count, dtype=torch.int64, device=dev)
@@ -131,4 +133,4 @@ def rejection_sample_triton(
             GAMMA=gamma, HAS_DRAFT_PROBS=has_draft_probs, ZERO_MASS_EPS=ZERO_MASS,
             BLOCK_V=min(block_v, triton.next_power_of_2(v)), BLOCK_G=triton.next_power_of_2(gamma + 1),
         )
-    return VerifyResult(out_accepted, out_tokens, out_accepted + 1)
+    return out_accepted, out_tokens

@@ -1,4 +1,5 @@
-"""Varlen attention for ragged verification (docs/architecture.md §4), as a Triton kernel + torch reference.
+"""Varlen attention for ragged verification (architecture §4), as a Triton kernel (reference in
+dspark_kernels.reference).
 
 Queries are the flattened new tokens of all requests (cu_seqlens, positions). The new
 tokens' K/V are already written into the cache at their positions, so the new token at
@@ -16,9 +17,13 @@ from __future__ import annotations
 import math
 
 import torch
-import torch.nn.functional as F
 import triton
 import triton.language as tl
+
+from dspark_kernels.dispatch import use_triton
+from dspark_kernels.reference import varlen_attention_ref
+
+__all__ = ["varlen_attention", "varlen_attention_triton", "varlen_attention_ref"]
 
 
 @triton.jit
@@ -122,33 +127,6 @@ def varlen_attention_triton(
     return out
 
 
-def varlen_attention_ref(
-    q: torch.Tensor,  # [N, H, D]
-    k_cache: torch.Tensor,  # [C, KVH, S, D]
-    v_cache: torch.Tensor,  # [C, KVH, S, D]
-    cu_seqlens: torch.Tensor,  # [R+1] i64
-    positions: torch.Tensor,  # [N] i64
-    slots: torch.Tensor,  # [R] i64
-    sm_scale: float | None = None,
-) -> torch.Tensor:  # [N, H, D]
-    """Torch reference: per request, SDPA of its new tokens over cache[slot, :, 0..p]."""
-    n, h, d = q.shape
-    g = h // k_cache.shape[1]
-    out = torch.empty_like(q)
-    for r in range(slots.numel()):
-        s, e = int(cu_seqlens[r]), int(cu_seqlens[r + 1])
-        if e == s:
-            continue
-        pos = positions[s:e]
-        kv_len = int(pos.max()) + 1
-        k = k_cache[slots[r], :, :kv_len].repeat_interleave(g, dim=0)  # [H, L, D]
-        v = v_cache[slots[r], :, :kv_len].repeat_interleave(g, dim=0)
-        mask = torch.arange(kv_len, device=q.device)[None, :] <= pos[:, None]  # [T, L]
-        o = F.scaled_dot_product_attention(q[s:e].transpose(0, 1), k, v, attn_mask=mask, scale=sm_scale)
-        out[s:e] = o.transpose(0, 1)
-    return out
-
-
 def varlen_attention(
     q: torch.Tensor,  # [N, H, D]
     k_cache: torch.Tensor,  # [C, KVH, S, D]
@@ -160,10 +138,8 @@ def varlen_attention(
     sm_scale: float | None = None,
     max_new_tokens: int | None = None,  # pass AttnMeta.max_new to skip one host sync
 ) -> torch.Tensor:
-    """Dispatch with dspark.runtime.model's argument order: the Triton kernel on CUDA (or
-    DSPARK_KERNELS=triton), else the torch reference."""
-    from dspark.runtime.verify import use_triton
-
+    """dspark.runtime.model's argument order (tok_slot unused: the kernel reads slots[r]); kernel or
+    reference as `dspark_kernels.dispatch` decides."""
     if use_triton(q):
         return varlen_attention_triton(q, k_cache, v_cache, cu_seqlens, positions, slots, sm_scale,
                                        max_new_tokens)

@@ -14,6 +14,7 @@ from dspark.tools.calibrate import (
     read_calibration,
     write_calibration,
 )
+from dspark.tools.traces import read_block_trace
 
 
 def synthetic_trace(scales: list[float], n: int = 20_000, seed: int = 0,
@@ -95,7 +96,8 @@ def test_calibrate_cli_from_trace_file(tmp_path):
             f.write(json.dumps(row) + "\n")
     folder = tmp_path / "my_drafter"
     folder.mkdir()
-    argv = ["calibrate", "--drafter", str(folder), "--traces", str(path), "--results", str(tmp_path)]
+    argv = ["calibrate", "--model", "demo", "--drafter", str(folder), "--traces", str(path),
+            "--results", str(tmp_path)]
     assert main(argv) == 0
     payload = json.loads((folder / "calibration.json").read_text())
     assert np.allclose(payload["sts_temperatures"], [3.0, 2.0, 3.0], rtol=0.25)
@@ -110,14 +112,18 @@ def test_calibrate_cli_runs_drafter_on_heldout_prompts(tiny_ckpt, tmp_path):
     from dspark.cli import main
 
     folder = untrained_drafter(tmp_path / "markov_tiny", tiny_ckpt, "markov", block_size=4)
-    argv = ["calibrate", "--drafter", str(folder), "--target", str(tiny_ckpt), "--gamma", "4",
+    argv = ["calibrate", "--drafter", str(folder), "--model", str(tiny_ckpt), "--gamma", "4",
             "--n-prompts", "1", "--max-tokens", "16", "--max-prompt-tokens", "48", "--threads", "1",
-            "--results", str(tmp_path)]
+            "--results", str(tmp_path), "--traces-dir", str(tmp_path / "traces")]
     assert main(argv) == 0
     payload = json.loads((folder / "calibration.json").read_text())
     assert len(payload["sts_temperatures"]) == 4 and payload["n_blocks"] >= 3
     assert all(0.05 <= t <= 20 for t in payload["sts_temperatures"])
-    assert (tmp_path / "reliability_markov_tiny.png").is_file()
+    assert (tmp_path / f"reliability_markov_tiny_{tiny_ckpt.name}.png").is_file()
+    # the recorded trace is in the one trace format, and refitting from it gives the same T
+    trace = read_block_trace(tmp_path / "traces" / "calibration_markov_tiny.jsonl")
+    assert len(trace) == payload["n_blocks"] and trace.meta["drafter"] == "markov_tiny"
+    assert fit_sts(trace) == payload["sts_temperatures"]
 
 
 def test_sts_positions_without_survivors_keep_previous_temperature():
@@ -125,3 +131,21 @@ def test_sts_positions_without_survivors_keep_previous_temperature():
     trace.n_accepted = np.minimum(trace.n_accepted, 1)  # nobody survives past position 1
     temps = fit_sts(trace)
     assert temps[1] == temps[2] == temps[0]
+
+
+def test_affine_sts_removes_a_bias_temperature_cannot():
+    """A head whose logits are shifted (z = true logit + 1.5): no temperature maps the shifted
+    logits back at every confidence level, a temperature plus a shift does."""
+    from dspark.tools.calibrate import affine_report, fit_affine_sts, position_report
+
+    rng = np.random.default_rng(7)
+    n, g = 6000, 3
+    true = rng.normal(0.5, 1.5, (n, g))
+    alive = rng.random((n, g)) < 1 / (1 + np.exp(-true))
+    acc = np.logical_and.accumulate(alive, axis=1).sum(1)
+    trace = BlockTrace(true + 1.5, acc, np.full(n, g))
+    temp_only = position_report(trace, fit_sts(trace))["ece"]
+    params = fit_affine_sts(trace)
+    affine = affine_report(trace, params)
+    assert max(affine) < 0.03 < 0.05 < min(temp_only)
+    assert abs(params[0][1] + 1.5) < 0.3 and abs(params[0][0] - 1.0) < 0.25

@@ -29,7 +29,7 @@ def test_folder_layout_and_size():
 
 
 def test_tokenizer_special_tokens_and_roundtrip():
-    from dspark.runtime.loader import load_tokenizer
+    from dspark.runtime.text import load_tokenizer
 
     tok = load_tokenizer(DEMO_TARGET)
     assert [tok.token_to_id(t) for t in ("<|endoftext|>", "<|pad|>", "<|mask|>")] == [0, 1, 2]
@@ -38,8 +38,10 @@ def test_tokenizer_special_tokens_and_roundtrip():
 
 
 def test_our_loader_and_transformers_agree():
-    transformers = pytest.importorskip("transformers")
-    from dspark.runtime.loader import load_model, load_tokenizer
+    import transformers
+
+    from dspark.runtime.loader import load_model
+    from dspark.runtime.text import load_tokenizer
 
     torch.manual_seed(0)
     ids = torch.tensor([load_tokenizer(DEMO_TARGET).encode(PROMPT).ids])

@@ -1,7 +1,8 @@
-"""Drafters (docs/architecture.md §5): DSpark (Markov / RNN / none), EAGLE-style and the draft LM behind
-`DrafterLike`: shapes, exact draft distributions, greedy = argmax, the sequential head's
-dependence on x_{k−1}, confidence never reading x_k, per-slot isolation, save/load, the
-training forward equal to the serving path, and lossless greedy speculative decoding."""
+"""Drafters (architecture §5): DSpark (Markov / RNN / none), EAGLE-style and the draft LM behind
+`DrafterLike`: shapes, exact draft distributions (flat, verified rows of sampled requests only),
+greedy = argmax, the sequential head's dependence on x_{k−1}, confidence never reading x_k,
+per-slot isolation, context K/V read in place, save/load, the training forward equal to the
+serving path, and lossless greedy speculative decoding."""
 
 from __future__ import annotations
 
@@ -27,6 +28,16 @@ from dspark.runtime.target import TargetEngine
 torch.set_num_threads(1)
 G = 6  # trained block size in these tests
 MIXED = [SamplingParams(), SamplingParams(temperature=0.8, top_k=20, top_p=0.9, seed=3)]
+
+
+def uniforms(r: int, gamma: int, seed: int = 0) -> torch.Tensor:
+    return torch.rand(r, gamma, generator=torch.Generator().manual_seed(seed))
+
+
+def extend_rows(d, slot: int, tokens: list[int], taps: torch.Tensor) -> None:
+    """extend one slot with all of `tokens` (and their taps)."""
+    n = len(tokens)
+    d.extend([slot], torch.tensor(tokens), taps, torch.tensor([0, n]), torch.tensor([n]))
 
 
 @pytest.fixture(scope="module")
@@ -95,20 +106,45 @@ def test_dspark_block_is_exact_sampling_distribution(target, head):
     prompts, taps = prompts_and_taps(target)
     start_all(d, prompts, taps, [0, 1])
     anchors = torch.tensor([5, 9])
-    gens = [None, MIXED[1].generator()]
-    blk = d.propose([0, 1], anchors, MIXED, gens)
-    assert blk.tokens.shape == (2, 4) and blk.tokens.dtype == torch.int64
-    assert blk.probs.shape == (2, 4, target.vocab_size) and blk.conf_logits.shape == (2, 4)
-    assert torch.allclose(blk.probs.sum(-1), torch.ones(2, 4), atol=1e-5)
+    blk = d.propose([0, 1], anchors, MIXED, uniforms(2, 4))
+    assert blk.tokens.shape == (2, 4) and blk.tokens.dtype == torch.int64 and blk.conf_logits.shape == (2, 4)
+    q = d.draft_probs([0, 1], torch.tensor([4, 4]))  # the greedy request contributes no rows
+    assert q.shape == (4, target.vocab_size) and torch.allclose(q.sum(-1), torch.ones(4), atol=1e-5)
     logits, conf = d.score([0, 1], anchors, blk.tokens)
-    for k in range(4):
-        expect = sampling_probs(logits[:, k], *param_tensors(MIXED))
-        assert torch.allclose(blk.probs[:, k], expect, atol=1e-6)
-        assert blk.probs[torch.arange(2), k, blk.tokens[:, k]].min() > 0  # drawn from its own distribution
+    expect = sampling_probs(logits[1], *param_tensors([MIXED[1]] * 4))
+    assert torch.allclose(q, expect, atol=1e-6)
+    assert q[torch.arange(4), blk.tokens[1]].min() > 0  # drawn from its own distribution
     assert torch.equal(blk.tokens[0], logits[0].argmax(-1))  # greedy row = argmax
-    assert torch.equal(blk.probs[0].max(-1).values, torch.ones(4))  # ... with a one-hot distribution
     assert torch.allclose(conf, blk.conf_logits, atol=1e-6)
+    # only the rows that will be verified, in (request, position) order
+    assert torch.equal(d.draft_probs([1, 0], torch.tensor([2, 3])), q[:2])
+    assert d.draft_probs([0, 1], torch.tensor([3, 0])).shape == (0, target.vocab_size)
 
+
+def test_dspark_sampled_tokens_follow_the_uniforms(target):
+    """Same uniforms -> same drafts; the drafter has no randomness of its own."""
+    d = make_dspark(target, "markov")
+    prompts, taps = prompts_and_taps(target)
+    start_all(d, prompts, taps, [0, 1])
+    sampled = [MIXED[1], MIXED[1]]
+    a = d.propose([0, 1], torch.tensor([5, 9]), sampled, uniforms(2, 4, seed=1))
+    b = d.propose([0, 1], torch.tensor([5, 9]), sampled, uniforms(2, 4, seed=1))
+    c = d.propose([0, 1], torch.tensor([5, 9]), [SamplingParams(temperature=2.0)] * 2, uniforms(2, 4, seed=2))
+    assert torch.equal(a.tokens, b.tokens) and not torch.equal(a.tokens, c.tokens)
+
+
+def test_dspark_context_is_read_in_place(target):
+    """A batch whose slots form a range attends to a view of the slot cache (no per-step copy),
+    and extend advances each slot by `keep` rows, however many rows it was given."""
+    d = make_dspark(target, "markov")
+    prompts, taps = prompts_and_taps(target, lengths=(7, 12, 9))
+    start_all(d, prompts, taps, [0, 1, 2])
+    slot_t = torch.tensor([1, 2])
+    keys, _ = d.kv.read(0, slot_t, 1, 16)
+    assert keys.data_ptr() == d.kv.k[0][1:].data_ptr()  # a view, not a gather
+    d.extend([0, 2], torch.tensor([5, 6, 7, 9, 9]), torch.cat([taps[0][:3], taps[2][:2]]),
+             torch.tensor([0, 3, 5]), torch.tensor([1, 2]))
+    assert [d.context_length(s) for s in (0, 1, 2)] == [8, 12, 11]
 
 def test_sequential_head_reads_previous_token_and_confidence_never_reads_x_k(target):
     prompts, taps = prompts_and_taps(target)
@@ -130,36 +166,78 @@ def test_sequential_head_reads_previous_token_and_confidence_never_reads_x_k(tar
             assert not torch.allclose(la[:, 2], lb[:, 2])  # p_3 depends on x_2
 
 
+def test_draft_vocabulary_subset(target, tmp_path):
+    """Drafting over a subset of the vocabulary: tokens and p_d stay inside it, p_d is exactly the
+    distribution drafts were drawn from, a draft_vocab.json beside the drafters is picked up at
+    load time, and greedy speculative decoding is still token-identical to plain."""
+    d = make_dspark(target, "markov")
+    ids = torch.arange(3, target.vocab_size, 2)
+    d.set_vocab(ids)
+    prompts, taps = prompts_and_taps(target)
+    start_all(d, prompts, taps, [0, 1])
+    anchors = torch.tensor([5, 9])
+    blk = d.propose([0, 1], anchors, MIXED, uniforms(2, 4))
+    assert torch.isin(blk.tokens, ids).all()
+    q = d.draft_probs([0, 1], torch.tensor([4, 4]))
+    outside = torch.ones(target.vocab_size, dtype=torch.bool)
+    outside[ids] = False
+    assert q.shape == (4, target.vocab_size) and (q[:, outside] == 0).all()
+    logits, _ = d.score([0, 1], anchors, blk.tokens)
+    assert torch.allclose(q, sampling_probs(logits[1], *param_tensors([MIXED[1]] * 4)), atol=1e-6)
+    assert torch.equal(blk.tokens[0], logits[0].argmax(-1))
+    (tmp_path / "drafters").mkdir()
+    save_dspark(d.model, tmp_path / "drafters" / "sub")
+    (tmp_path / "drafters" / "draft_vocab.json").write_text(json.dumps({"ids": ids.tolist()}))
+    loaded = load_drafter(str(tmp_path / "drafters" / "sub"), target, gamma=4)
+    assert torch.equal(loaded.vocab, ids)
+    plain = SpecEngine(target).generate(prompts, 12)
+    assert SpecEngine(target, loaded, policy="fixed:3").generate(prompts, 12) == plain
+
+
+def test_context_cache_grows_and_new_slots_start_after_growth(target):
+    """A long prompt grows the slot cache (inside extend, in inference mode); starting another
+    slot afterwards (outside it) still works, and both slots draft from their own context."""
+    d = make_dspark(target, "markov")
+    long_prompt = list(range(3, 300))
+    taps = [torch.randn(len(long_prompt), target.tap_dim, generator=torch.Generator().manual_seed(2))]
+    d.start(0, long_prompt, taps[0])
+    d.start(1, long_prompt[:5], taps[0][:5])
+    assert d.context_length(0) == len(long_prompt) and d.context_length(1) == 5
+    assert d.kv.capacity[1] >= len(long_prompt) + G
+    blk = d.propose([0, 1], torch.tensor([5, 9]), MIXED, uniforms(2, 4))
+    assert blk.tokens.shape == (2, 4)
+
+
 def test_slots_are_isolated(target):
     d = make_dspark(target, "rnn")
     prompts, taps = prompts_and_taps(target, lengths=(7, 12, 9))
     greedy = [SamplingParams()]
     d.start(0, prompts[0], taps[0])
-    alone = d.propose([0], torch.tensor([5]), greedy, [None])
+    alone = d.propose([0], torch.tensor([5]), greedy, uniforms(1, 4))
     start_all(d, prompts[1:], taps[1:], [1, 2])
-    both = d.propose([1, 0], torch.tensor([8, 5]), greedy * 2, [None, None])
+    both = d.propose([1, 0], torch.tensor([8, 5]), greedy * 2, uniforms(2, 4))
     assert torch.equal(both.tokens[1], alone.tokens[0])
-    assert torch.allclose(both.probs[1], alone.probs[0], atol=1e-6)
-    d.extend([1], [torch.tensor([8, 8])], [taps[1][:2]])  # other slots' contexts grow
+    assert torch.allclose(both.conf_logits[1], alone.conf_logits[0], atol=1e-5)
+    extend_rows(d, 1, [8, 8], taps[1][:2])  # other slots' contexts grow
     d.release(2)
     d.start(2, prompts[1], taps[1])
     assert d.context_length(1) == 14 and d.context_length(2) == 12 and d.context_length(0) == 7
-    again = d.propose([0, 2], torch.tensor([5, 1]), greedy * 2, [None, None])
-    assert torch.allclose(again.conf_logits[0], alone.conf_logits[0], atol=1e-6)
-    d.extend([0], [torch.tensor([5])], [taps[0][:1]])  # extending slot 0 changes its own drafts only
-    moved = d.propose([0], torch.tensor([5]), greedy, [None])
+    again = d.propose([0, 2], torch.tensor([5, 1]), greedy * 2, uniforms(2, 4))
+    assert torch.allclose(again.conf_logits[0], alone.conf_logits[0], atol=1e-5)
+    extend_rows(d, 0, [5], taps[0][:1])  # extending slot 0 changes its own drafts only
+    moved = d.propose([0], torch.tensor([5]), greedy, uniforms(1, 4))
     assert not torch.allclose(moved.conf_logits, alone.conf_logits)
     with pytest.raises(KeyError):
-        d.propose([3], torch.tensor([1]), greedy, [None])
+        d.propose([3], torch.tensor([1]), greedy, uniforms(1, 4))
 
 
 def test_gamma_uses_the_trained_block(target):
     d = make_dspark(target, "markov", gamma=G)
     prompts, taps = prompts_and_taps(target)
     d.start(0, prompts[0], taps[0])
-    full = d.propose([0], torch.tensor([5]), [SamplingParams()], [None])
+    full = d.propose([0], torch.tensor([5]), [SamplingParams()], uniforms(1, G))
     d.gamma = 3
-    short = d.propose([0], torch.tensor([5]), [SamplingParams()], [None])
+    short = d.propose([0], torch.tensor([5]), [SamplingParams()], uniforms(1, 3))
     assert short.tokens.shape == (1, 3) and torch.equal(short.tokens, full.tokens[:, :3])
     with pytest.raises(ValueError):
         d.gamma = G + 1
@@ -193,12 +271,13 @@ def test_dspark_save_load_roundtrip(target, tmp_path):
     loaded = load_drafter(str(tmp_path / "dsp"), target, gamma=4)
     assert isinstance(loaded, DSparkDrafter) and loaded.sts_temperatures == [1.5] * 4
     prompts, taps = prompts_and_taps(target)
-    outs = []
+    outs, probs = [], []
     for drafter in (d, loaded):
         start_all(drafter, prompts, taps, [0, 1])
-        outs.append(drafter.propose([0, 1], torch.tensor([5, 9]), MIXED, [None, MIXED[1].generator()]))
+        outs.append(drafter.propose([0, 1], torch.tensor([5, 9]), MIXED, uniforms(2, 4)))
+        probs.append(drafter.draft_probs([0, 1], torch.tensor([4, 4])))
     assert torch.equal(outs[0].tokens, outs[1].tokens)
-    assert torch.equal(outs[0].probs, outs[1].probs) and torch.equal(outs[0].conf_logits, outs[1].conf_logits)
+    assert torch.equal(probs[0], probs[1]) and torch.equal(outs[0].conf_logits, outs[1].conf_logits)
     stored = sum(p.stat().st_size for p in (tmp_path / "dsp").iterdir())
     assert stored < d.model.trainable_bytes() + 20_000  # the shared embedding / LM head are not stored
 
@@ -208,10 +287,11 @@ def test_eagle_interface_and_unrolled_training_equals_serving(target, tmp_path):
     d.gamma = G
     prompts, taps = prompts_and_taps(target)
     start_all(d, prompts, taps, [0, 1])
-    blk = d.propose([0, 1], torch.tensor([5, 9]), MIXED, [None, MIXED[1].generator()])
-    assert blk.tokens.shape == (2, G) and blk.probs.shape == (2, G, target.vocab_size)
-    assert torch.allclose(blk.probs.sum(-1), torch.ones(2, G), atol=1e-5)
-    assert torch.equal(blk.probs[0].max(-1).values, torch.ones(G))
+    blk = d.propose([0, 1], torch.tensor([5, 9]), MIXED, uniforms(2, G))
+    q = d.draft_probs([0, 1], torch.tensor([G, G]))
+    assert blk.tokens.shape == (2, G) and q.shape == (G, target.vocab_size)
+    assert torch.allclose(q.sum(-1), torch.ones(G), atol=1e-5)
+    assert q[torch.arange(G), blk.tokens[1]].min() > 0
     # the greedy chain, replayed teacher-forced through the training-time test, gives the same steps
     seq = torch.tensor([prompts[0] + [5] + blk.tokens[0].tolist() + [0]])
     _, seq_taps = target.model.forward_hidden(seq)
@@ -220,25 +300,27 @@ def test_eagle_interface_and_unrolled_training_equals_serving(target, tmp_path):
         logits = d.model.lm_head(h)[0, 0]
     assert torch.equal(logits.argmax(-1), blk.tokens[0])
     assert torch.allclose(d.model.conf_logit(h)[0, 0], blk.conf_logits[0], atol=1e-4)
-    d.extend([0], [torch.tensor([5, int(blk.tokens[0, 0])])], [taps[0][:2]])
-    assert d.propose([0], torch.tensor([7]), MIXED[:1], [None]).tokens.shape == (1, G)
+    extend_rows(d, 0, [5, int(blk.tokens[0, 0])], taps[0][:2])
+    assert d.propose([0], torch.tensor([7]), MIXED[:1], uniforms(1, G)).tokens.shape == (1, G)
     save_eagle(d.model, tmp_path / "eagle")
     loaded = load_drafter(str(tmp_path / "eagle"), target, gamma=G)
     start_all(loaded, prompts, taps, [0, 1])
-    again = loaded.propose([0, 1], torch.tensor([5, 9]), MIXED, [None, MIXED[1].generator()])
-    assert torch.equal(again.tokens, blk.tokens) and torch.allclose(again.probs, blk.probs, atol=1e-6)
+    again = loaded.propose([0, 1], torch.tensor([5, 9]), MIXED, uniforms(2, G))
+    assert torch.equal(again.tokens, blk.tokens)
+    assert torch.allclose(loaded.draft_probs([0, 1], torch.tensor([G, G])), q, atol=1e-6)
 
 
 def test_draft_lm_interface_matches_its_own_greedy_decoding(target, tmp_path):
     d = make_draft_lm(target, tmp_path / "dlm")
     prompts, taps = prompts_and_taps(target)
     start_all(d, prompts, taps, [0, 1])
-    blk = d.propose([0, 1], torch.tensor([5, 9]), MIXED, [None, MIXED[1].generator()])
-    assert blk.tokens.shape == (2, 4) and torch.allclose(blk.probs.sum(-1), torch.ones(2, 4), atol=1e-5)
+    blk = d.propose([0, 1], torch.tensor([5, 9]), MIXED, uniforms(2, 4))
+    q = d.draft_probs([0, 1], torch.tensor([4, 4]))
+    assert blk.tokens.shape == (2, 4) and torch.allclose(q.sum(-1), torch.ones(4), atol=1e-5)
     plain = SpecEngine(d.engine).generate([prompts[0] + [5]], 4)[0]  # greedy row = the draft LM's greedy
     assert blk.tokens[0].tolist() == plain
-    d.extend([0], [torch.tensor([5, plain[0]])], [None])
-    nxt = d.propose([0], torch.tensor([plain[1]]), MIXED[:1], [None])
+    d.extend([0], torch.tensor([5, plain[0]]), None, torch.tensor([0, 2]), torch.tensor([2]))
+    nxt = d.propose([0], torch.tensor([plain[1]]), MIXED[:1], uniforms(1, 4))
     more = SpecEngine(d.engine).generate([prompts[0] + [5] + plain[:4]], 2)[0]
     assert nxt.tokens[0].tolist() == plain[2:4] + more
     d.release(0)
@@ -247,7 +329,8 @@ def test_draft_lm_interface_matches_its_own_greedy_decoding(target, tmp_path):
 
 
 def test_draft_lm_folder_loads_in_transformers(target, tmp_path):
-    transformers = pytest.importorskip("transformers")
+    import transformers
+
     d = make_draft_lm(target, tmp_path / "dlm")
     hf = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "dlm"), dtype=torch.float32).eval()
     tokens = torch.tensor([[5, 17, 42, 9, 3]])
@@ -272,6 +355,10 @@ def test_greedy_speculative_output_equals_plain_decoding(target, tmp_path, kind)
     assert eng.metrics.drafter_fallbacks == 0
     assert spec == plain
     assert sum(eng.metrics.drafted) > 0 and eng.metrics.steps < 2 * 20
+    # sampled requests run the same loop with draft probabilities (drafter failures would show here)
+    eng = SpecEngine(target, drafter, policy="fixed:3")
+    eng.generate(prompts, 12, SamplingParams(temperature=0.9, top_k=30, seed=1))
+    assert eng.metrics.drafter_fallbacks == 0 and sum(eng.metrics.verified) > 0
 
 
 def test_load_rejects_a_drafter_trained_on_other_taps(target, tmp_path):
@@ -293,3 +380,36 @@ def test_training_forward_accepts_masked_anchor_zero(target):
         with torch.no_grad():
             h = drafter.model.train_hidden(tokens, taps, anchors)
         assert h.shape == (1, 2, G, target.config.hidden_size) and torch.isfinite(h).all()
+
+
+def test_bench_drafter_smoke(tiny_ckpt, tmp_path):
+    """`dspark bench-drafter` end to end on the tiny checkpoint with a random drafter."""
+    from dspark.cli import main
+
+    out = tmp_path / "drafter_step.json"
+    assert main(["bench-drafter", "--model", str(tiny_ckpt), "--random", "--requests", "1,2",
+                 "--vocab", "0,64", "--context", "8", "--rounds", "1", "--repeats", "1", "--gamma", "4",
+                 "--num-threads", "1", "--out", str(out)]) == 0
+    rows = json.loads(out.read_text())["by_requests"]
+    assert set(rows) == {"1", "2"}
+    assert rows["2"]["propose_greedy_ms@64"] > 0 and rows["1"]["share_of_plain_step@all"] > 0
+
+
+def test_draft_vocab_tool_counts_responses_only(tmp_path, target):
+    """`dspark draft-vocab`: counts the tokens after each prompt in training shards, keeps the K
+    most frequent (plus the eos ids), writes draft_vocab.json that the loader reads."""
+    from dspark.runtime.drafter.dspark_drafter import read_draft_vocab
+    from dspark.tools.draft_vocab import count_shards, top_ids, write_vocab
+
+    seqs = [[1, 2, 3, 9, 9, 9, 8], [1, 2, 4, 4, 8]]  # prompts [1, 2, 3] and [1, 2]
+    shard = {"tokens": torch.tensor(sum(seqs, [])), "offsets": torch.tensor([0, 7, 12]),
+             "prompt_len": torch.tensor([3, 2]), "domain": torch.tensor([0, 1])}
+    torch.save(shard, tmp_path / "shard_0000.pt")
+    counts, total = count_shards(tmp_path, 16)
+    assert total == 7 and counts[9] == 3 and counts[4] == 2 and counts[8] == 2 and counts[1] == 0
+    ids = top_ids(counts, 2, always=[0])
+    assert ids.tolist() == [0, 4, 9]  # 9 (3), then 4 and 8 tie at 2: the lower id wins
+    write_vocab(tmp_path / "drafters", ids, counts, "test", total)
+    (tmp_path / "drafters" / "x").mkdir()
+    assert read_draft_vocab(tmp_path / "drafters" / "x").tolist() == [0, 4, 9]
+    assert read_draft_vocab(tmp_path / "nowhere") is None

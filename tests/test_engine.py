@@ -1,6 +1,6 @@
 """The speculative engine loop (dspark.runtime.engine): lossless against plain decoding for every
-policy and drafter, the exact output distribution at T > 0, continuous batching,
-cancellation, no slot leaks, drafter failures and reproducibility."""
+policy and drafter, the exact output distribution at T > 0, the acceptance rate Σ min(p_t, p_d),
+continuous batching, cancellation, no slot leaks, drafter failures and reproducibility."""
 
 from __future__ import annotations
 
@@ -14,10 +14,12 @@ from scipy.stats import chisquare
 from tiny import make_tiny_checkpoint
 
 from dspark.runtime.drafter import NGramDrafter, load_drafter
-from dspark.runtime.engine import TIMERS, SpecEngine
+from dspark.runtime.drafter.context import DraftProbStore
+from dspark.runtime.engine import SpecEngine
 from dspark.runtime.interfaces import DraftBlock
-from dspark.runtime.sampling import SamplingParams, param_tensors, sampling_probs
-from dspark.runtime.sps import SPSTable
+from dspark.runtime.sampling import SamplingParams, param_tensors, sample_inverse_cdf, sampling_probs
+from dspark.runtime.scheduler import make_policy
+from dspark.runtime.sps import DraftCost, SPSTable
 from dspark.runtime.target import TargetEngine
 
 POLICIES = ["none", "fixed:1", "fixed:3", "threshold:0.5", "dspark-theory", "dspark"]
@@ -27,13 +29,15 @@ MAX_TOKENS = 20
 
 class RandomDrafter:
     """Test double standing for any drafter: random tokens drawn from random distributions,
-    random confidences. It also checks the engine's bookkeeping: after every extend its
-    context holds exactly the tokens in the target's KV slot."""
+    random confidences. It also checks the engine's bookkeeping: every extend leaves its
+    context holding exactly the tokens the target's KV slot will keep."""
 
-    def __init__(self, gamma: int, target: TargetEngine, seed: int = 0, sharpness: float = 2.0) -> None:
-        self.gamma, self.target, self.sharpness = gamma, target, sharpness
+    def __init__(self, gamma: int, target: TargetEngine, seed: int = 0, sharpness: float = 2.0,
+                 delay_s: float = 0.0) -> None:
+        self.gamma, self.target, self.sharpness, self.delay_s = gamma, target, sharpness, delay_s
         self.gen = torch.Generator().manual_seed(seed)
         self.contexts: dict[int, list[int]] = {}
+        self.store = DraftProbStore()
 
     def start(self, slot, prompt, taps):
         assert taps.shape == (len(prompt), self.target.tap_dim)
@@ -41,22 +45,47 @@ class RandomDrafter:
 
     def release(self, slot):
         del self.contexts[slot]
+        self.store.release(slot)
 
-    def extend(self, slots, tokens, taps):
-        for slot, toks, tp in zip(slots, tokens, taps):
-            assert tp.shape == (len(toks), self.target.tap_dim)
-            self.contexts[slot].extend(toks.tolist())
-            assert len(self.contexts[slot]) == self.target.length(slot)
+    def extend(self, slots, tokens, taps, cu_seqlens, keep):
+        assert taps.shape == (tokens.numel(), self.target.tap_dim) and cu_seqlens.numel() == len(slots) + 1
+        cu = cu_seqlens.tolist()
+        for slot, start, end, n in zip(slots, cu[:-1], cu[1:], keep.tolist()):
+            # before the rollback the slot holds the context plus the whole verified segment
+            assert len(self.contexts[slot]) + end - start == self.target.length(slot)
+            assert 1 <= n <= end - start
+            self.contexts[slot].extend(tokens[start:start + n].tolist())
 
-    def propose(self, slots, anchors, params, generators):
+    def propose(self, slots, anchors, params, uniforms):
+        time.sleep(self.delay_s)  # stands for an expensive drafter
         r, v = len(slots), self.target.vocab_size
         logits = torch.randn(r, self.gamma, v, generator=self.gen) * self.sharpness
         probs = sampling_probs(logits.reshape(r * self.gamma, v),
                                *(x.repeat_interleave(self.gamma) for x in param_tensors(params)))
-        probs = probs.reshape(r, self.gamma, v)
-        tokens = torch.stack([torch.multinomial(probs[i], 1, generator=g or self.gen)[:, 0]
-                              for i, g in enumerate(generators)])
-        return DraftBlock(tokens, probs, torch.randn(r, self.gamma, generator=self.gen) * 2 + 1)
+        tokens = sample_inverse_cdf(probs, uniforms.reshape(-1)).reshape(r, self.gamma)
+        greedy = [p.greedy for p in params]
+        self.store.put(slots, greedy, probs.reshape(r, self.gamma, v)[[not g for g in greedy]])
+        return DraftBlock(tokens, torch.randn(r, self.gamma, generator=self.gen) * 2 + 1)
+
+    def draft_probs(self, slots, lengths):
+        for s in slots:  # the target holds exactly the context when probabilities are asked for
+            assert len(self.contexts[s]) == self.target.length(s)
+        return self.store.take(slots, lengths)
+
+
+class FixedDrafter(RandomDrafter):
+    """Proposes from one fixed distribution p_d at every position (for the acceptance-rate test)."""
+
+    def __init__(self, gamma: int, target: TargetEngine, p_d: torch.Tensor) -> None:
+        super().__init__(gamma, target)
+        self.p_d = p_d
+
+    def propose(self, slots, anchors, params, uniforms):
+        r = len(slots)
+        probs = self.p_d.expand(r * self.gamma, -1)
+        tokens = sample_inverse_cdf(probs, uniforms.reshape(-1)).reshape(r, self.gamma)
+        self.store.put(slots, [p.greedy for p in params], probs.reshape(r, self.gamma, -1).clone())
+        return DraftBlock(tokens, torch.zeros(r, self.gamma))
 
 
 class FlakyDrafter(NGramDrafter):
@@ -72,11 +101,11 @@ class FlakyDrafter(NGramDrafter):
             raise RuntimeError("drafter down")
         return super().propose(*args)
 
-    def extend(self, slots, tokens, taps):
+    def extend(self, *args):
         if self.fail_extend:
             self.fail_extend = False
             raise RuntimeError("extend failed")
-        super().extend(slots, tokens, taps)
+        super().extend(*args)
 
 
 @pytest.fixture(scope="module")
@@ -149,7 +178,8 @@ def test_ngram_drafter_accepts_on_repetitive_text(target, prompts):
     engine.run_until_done()
     assert sum(engine.metrics.accepted) > 0
     assert max(r.tau for r in reqs) > 1.0
-    assert engine.metrics.steps < MAX_TOKENS - 1  # fewer verify steps than plain decoding needs
+    # fewer verify steps than plain decoding needs (one per token after the prefill's)
+    assert sum(r.verify_steps for r in reqs) < len(reqs) * (MAX_TOKENS - 1)
 
 
 def test_ngram_lookup():
@@ -308,9 +338,27 @@ def test_no_leak_1000_random_requests(target):
     run_random_requests(target, 500, seed=3)
 
 
+def test_cost_rule_turns_drafting_off_when_it_does_not_pay(target, prompts, reference):
+    """A drafter that costs 20 ms a step against a 1 ms verify can never pay: dspark measures it,
+    then runs plain steps (probing every 16th), from step t−2 data only; the output stays
+    token-identical. The same drafter at no cost keeps drafting every step."""
+    fast_verify = SPSTable([1, 4096], [1000.0, 999.0])
+    slow = SpecEngine(target, RandomDrafter(4, target, seed=3, delay_s=0.02), "dspark", sps=fast_verify)
+    assert slow.generate(prompts, MAX_TOKENS, stop_token_ids=[]) == reference
+    m = slow.metrics
+    assert m.draft_steps <= m.steps // 4 and m.verify_budget > 0
+    slow_verify = SPSTable([1, 4096], [1.0, 0.999])
+    free = SpecEngine(target, RandomDrafter(4, target, seed=3), "dspark", sps=slow_verify)
+    assert free.generate(prompts, MAX_TOKENS, stop_token_ids=[]) == reference
+    assert free.metrics.draft_steps == free.metrics.steps
+
+
 def test_seeded_sampling_reproducible(target, prompts):
+    """Seeded requests reproduce under the same schedule. dspark adapts its schedule to measured
+    drafting times (wall clock), so this run keeps a fixed drafting cost."""
     def run(offset: int):
-        engine = SpecEngine(target, RandomDrafter(4, target, seed=5), "dspark", sps=SPS)
+        policy = make_policy("dspark", sps=SPS, gamma=4, draft_cost=DraftCost(learn=False))
+        engine = SpecEngine(target, RandomDrafter(4, target, seed=5), policy)
         params = [SamplingParams(temperature=1.0, top_p=0.9, seed=i + offset) for i in range(len(prompts))]
         return engine.generate(prompts, MAX_TOKENS, params)
 
@@ -375,18 +423,165 @@ def test_output_distribution_exact(small_vocab_target, policy, params):
     assert chisquare(obs.numpy(), exp.numpy() * obs.sum().item() / exp.sum().item()).pvalue > 1e-3
 
 
+def test_mean_acceptance_is_sum_of_min_target_draft(small_vocab_target):
+    """The engine's acceptance rate of a draft equals Σ_v min(p_t(v), p_d(v)) (the analytic
+    acceptance probability) within sampling error, on a fixed pair: the target after the prompt
+    and its first token, and a drafter proposing from a fixed p_d. Passing no draft probabilities
+    (one-hot drafts) would give Σ_v p_d(v) p_t(v) instead, far outside the tolerance."""
+    target, prompt, samples = small_vocab_target, [1, 2, 3], 3000
+    params = SamplingParams(temperature=1.0)
+    p_d = torch.softmax(torch.randn(VOCAB, generator=torch.Generator().manual_seed(11)) * 1.5, -1)
+
+    def next_probs(seqs):
+        slots = [target.allocate() for _ in seqs]
+        logits, _ = target.prefill(slots, seqs)
+        for s in slots:
+            target.release(s)
+        return sampling_probs(logits, *param_tensors([params] * len(seqs)))
+
+    p1 = next_probs([prompt])[0]  # the first token a, sampled from the prefill
+    p2 = next_probs([prompt + [a] for a in range(VOCAB)])  # p_t of the draft position, given a
+    expected = float((p1 * torch.minimum(p2, p_d).sum(-1)).sum())
+    one_hot = float((p1 * (p2 * p_d).sum(-1)).sum())
+    engine = SpecEngine(target, FixedDrafter(1, target, p_d), "fixed:1")
+    for i in range(samples):  # max_tokens 3: the prefill token, then one step verifying ℓ = 1
+        engine.add_request(prompt, 3, SamplingParams(temperature=1.0, seed=i), stop_token_ids=[])
+    engine.run_until_done()
+    m = engine.metrics
+    assert m.verified[0] == samples
+    sigma = (expected * (1 - expected) / samples) ** 0.5
+    assert abs(m.accepted[0] / samples - expected) < 4 * sigma, (m.accepted[0] / samples, expected)
+    assert abs(one_hot - expected) > 8 * sigma  # the test tells the two apart
+
+
 def test_bench_smoke(tiny_ckpt, tmp_path):
-    """`dspark bench` end to end on the tiny checkpoint (no transformers baselines)."""
+    """`dspark bench` end to end on the tiny checkpoint (no transformers / llama.cpp baselines)."""
     import json
 
     from dspark.cli import main
 
     out = tmp_path / "bench.json"
-    assert main(["bench", "--target", str(tiny_ckpt), "--n-prompts", "1", "--max-tokens", "6", "--gamma", "3",
-                 "--batch-sizes", "2", "--no-hf", "--sps", "gpu", "--threads", "1", "--out", str(out)]) == 0
+    assert main(["bench", "--model", str(tiny_ckpt), "--drafter", "ngram", "--sps", "gpu_shaped",
+                 "--n-prompts", "1", "--max-tokens", "6", "--concurrency", "1,2", "--no-hf", "--no-llamacpp",
+                 "--num-threads", "1", "--out", str(out)]) == 0
     result = json.loads(out.read_text())
     batch1 = result["batch1_tokens_per_s"]
-    assert set(batch1) == {"dspark", "plain", "hf_plain", "hf_assisted", "hf_prompt_lookup"}
-    assert batch1["dspark"] > 0 and result["aggregate_tokens_per_s"]["2"]["plain"] > 0
-    assert set(result["step_time_ms"]["batch2_dspark"]) == set(TIMERS)
+    assert set(batch1) == {"dspark", "plain", "hf_plain", "hf_assisted", "hf_prompt_lookup", "llamacpp_q4_1",
+                           "llamacpp_bf16", "llamacpp_prompt_lookup"}
+    assert batch1["dspark"] > 0 and batch1["plain"] > 0 and result["tau"] >= 1.0
+    assert set(result["batch1_tokens_per_s_T1"]) == {"dspark", "plain"}
+    assert set(result["by_concurrency"]) == {"1", "2"}
+    assert set(result["by_concurrency"]["2"]) == {"dspark", "plain", "mtp1", "fixed:7"}
+    assert result["by_concurrency"]["2"]["plain"]["aggregate"] > 0
+    assert set(result["step_ms"]) == {"draft", "schedule", "verify", "accept"}
+    assert result["greedy_dspark_equals_plain_batch1"] and result["greedy_divergence_batch1"] == []
+    assert "met" in result["goals"]
     assert out.with_suffix(".png").is_file()
+
+
+# ---- the real target: SmolLM2-135M-Instruct (skipped when it is not fetched) ----
+
+SMOL_POLICIES = ["none", "mtp1", "fixed:3", "threshold:0.5", "dspark-theory", "dspark"]
+SMOL_TOKENS = 10
+
+
+@pytest.fixture(scope="module")
+def smol(smollm2_folder):
+    """SmolLM2 in fp32 with 8 slots, chat prompts of the three domains, and plain greedy outputs."""
+    from dspark import wiring
+
+    spec = wiring.Spec(model=str(smollm2_folder), dtype="fp32", capacity=8, max_seq_len=192)
+    target = wiring.load_target(spec)
+    questions = ["Write a Python function that reverses a string.", "What is 17 times 3? Answer briefly.",
+                 "Name three colours of the rainbow.", "def add(a, b):\n    return",
+                 "Explain recursion in one sentence.", "List the first five prime numbers.",
+                 "Translate 'good morning' to French.", "for i in range(3):\n    print("]
+    prompts = [target.tokenizer.encode(f"<|im_start|>user\n{q}<|im_end|>\n<|im_start|>assistant\n").ids
+               for q in questions]
+    return target, prompts, SpecEngine(target).generate(prompts, SMOL_TOKENS, stop_token_ids=[])
+
+
+def smol_drafter(kind: str, target):
+    """ngram, or a DSpark drafter of the shipped SmolLM2 shape (random weights, 16k draft vocabulary)."""
+    if kind == "ngram":
+        return NGramDrafter(gamma=4)
+    from dspark.runtime.drafter.dspark_drafter import DSparkConfig, DSparkDrafter, DSparkModel, shared_weights
+
+    cfg = target.config
+    torch.manual_seed(0)
+    model = DSparkModel(DSparkConfig(vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size,
+                                     tap_dim=target.tap_dim, num_layers=1, num_heads=cfg.num_attention_heads,
+                                     num_kv_heads=cfg.num_key_value_heads, head_dim=cfg.head_dim,
+                                     intermediate_size=512, block_size=15, gamma=4, head="markov",
+                                     tap_layers=list(target.tap_layers)))
+    emb, lm, _ = shared_weights(target)
+    drafter = DSparkDrafter(model, emb, lm, gamma=4)
+    drafter.set_vocab(torch.arange(16384))
+    return drafter
+
+
+@pytest.mark.parametrize("kind", ["ngram", "dspark"])
+@pytest.mark.parametrize("policy", SMOL_POLICIES)
+def test_smollm2_greedy_speculative_equals_plain(smol, policy, kind):
+    """Batch 8 with staggered arrivals (one new request per step), then batch 1: token-identical
+    to plain greedy decoding on the real target, for every policy."""
+    target, prompts, reference = smol
+    engine = SpecEngine(target, smol_drafter(kind, target), policy, sps=SPS)
+    reqs = []
+    for p in prompts:
+        reqs.append(engine.add_request(p, SMOL_TOKENS, stop_token_ids=[]))
+        engine.step()
+    engine.run_until_done()
+    assert [r.output for r in reqs] == reference
+    assert engine.metrics.drafter_fallbacks == 0
+    assert engine.generate([prompts[0]], SMOL_TOKENS, stop_token_ids=[])[0] == reference[0]  # batch 1
+    assert target.num_free_slots() == 8
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_whole_step_on_cuda(tiny_ckpt):
+    """The device-first step on CUDA: target, DSpark drafter, drafts, confidences, acceptance on the
+    GPU; greedy output equals plain; and the drafter's propose / extend / draft_probs and
+    verify_ragged make no implicit host sync (CUDA sync debug mode raises on one)."""
+    from test_drafter import make_dspark, prompts_and_taps
+
+    from dspark.runtime.drafter.dspark_drafter import DSparkDrafter, shared_weights
+    from dspark.runtime.sampling import SamplingBatch
+    from dspark.runtime.verify import verify_ragged
+
+    target = TargetEngine.from_pretrained(tiny_ckpt, capacity=4, max_seq_len=128, device="cuda")
+    emb, lm, _ = shared_weights(target)  # on the GPU with the target
+    drafter = DSparkDrafter(make_dspark(target, "markov").model.to("cuda"), emb, lm, gamma=4)
+    prompts, taps = prompts_and_taps(target)
+    plain = SpecEngine(target).generate(prompts, 16)
+    engine = SpecEngine(target, drafter, "dspark", sps=SPS)
+    assert engine.generate(prompts, 16) == plain and engine.metrics.drafter_fallbacks == 0
+    sampled = SpecEngine(target, drafter, "fixed:3").generate(prompts, 16,
+                                                               SamplingParams(temperature=0.8, seed=1))
+    assert all(len(o) == 16 for o in sampled)
+    for s, p, tp in zip([0, 1], prompts, taps):
+        drafter.start(s, p, tp.cuda())
+    params = [SamplingParams(), SamplingParams(temperature=0.8, top_k=20)]
+    u = torch.rand(2, 4, device="cuda")
+    lens, cu = torch.tensor([2, 3]), torch.tensor([0, 3, 7])
+    logits = torch.randn(7, target.vocab_size, device="cuda")
+    new_taps = torch.randn(7, target.tap_dim, device="cuda", dtype=taps[0].dtype)
+
+    def step():
+        blk = drafter.propose([0, 1], torch.tensor([5, 9], device="cuda"), params, u)
+        q = drafter.draft_probs([0, 1], lens)
+        res = verify_ragged(logits, blk.tokens, lens, cu, SamplingBatch.from_params(params, "cuda"), q,
+                            torch.rand(2, 5, device="cuda"))
+        drafter.extend([0, 1], torch.randint(0, 50, (7,), device="cuda"), new_taps, cu, res.num_accepted + 1)
+        return blk, q, res
+
+    step()  # warm-up: kernel compilation, buffers
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        blk, q, res = step()
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    assert blk.tokens.is_cuda and blk.conf_logits.is_cuda and q.is_cuda and res.tokens.is_cuda
+    assert q.shape == (3, target.vocab_size)  # the sampled request's verified rows only

@@ -8,8 +8,7 @@ import torch
 
 from dspark.cli import main
 from dspark.tools import evaluate as ev
-from dspark.tools.calibrate import BlockTrace
-from dspark.tools.traces import load_traces
+from dspark.tools.traces import BlockTrace, load_traces
 
 
 def write_prompts(path):
@@ -38,8 +37,9 @@ def test_eval_quick_end_to_end(tiny_ckpt, tmp_path):
     markov = untrained_drafter(tmp_path / "dspark_markov", tiny_ckpt, "markov")
     dflash = untrained_drafter(tmp_path / "dflash", tiny_ckpt, "none")
     out = tmp_path / "res" / "offline_eval.json"
-    argv = ["eval", "--quick", "--target", str(tiny_ckpt), "--prompts", str(prompts), "--gammas", "3,5",
-            "--drafters", f"ngram,{markov},{dflash}", "--out", str(out), "--threads", "1"]
+    argv = ["eval", "--quick", "--model", str(tiny_ckpt), "--prompts", str(prompts), "--gammas", "3,5",
+            "--drafters", f"ngram,{markov},{dflash}", "--out", str(out), "--threads", "1",
+            "--traces-dir", str(out.parent / "traces")]
     assert main(argv) == 0
     res = json.loads(out.read_text())
     for key in ("tau", "ece", "acceptance_by_position", "ratios", "threshold_sweep", "config"):
@@ -57,8 +57,12 @@ def test_eval_quick_end_to_end(tiny_ckpt, tmp_path):
         sim = load_traces(out.parent / "traces" / f"{name}.jsonl")  # the simulator reads them
         assert sim.gamma == 5 and len(sim.accepted) > 0
         assert (out.parent / "traces" / f"{name}_gamma3_T0.jsonl").is_file()
-    assert (out.parent / "acceptance_by_position.png").is_file()
-    assert (out.parent / "threshold_sweep.png").is_file()
+    suffix = f"_{tiny_ckpt.name}"  # results of a folder model carry its name
+    assert (out.parent / f"acceptance_by_position{suffix}.png").is_file()
+    assert (out.parent / f"threshold_sweep{suffix}.png").is_file()
+    for row in res["tau"]["dspark_markov"].values():
+        lo, hi = row["T1"]["mean_ci95"]
+        assert lo <= row["T1"]["mean"] <= hi
     # a second run reuses the traces and reproduces the numbers
     assert main(argv + ["--reuse-traces"]) == 0
     assert json.loads(out.read_text())["tau"] == res["tau"]
@@ -89,3 +93,20 @@ def test_noise_floor_shrinks_with_more_blocks():
     few = ev.ece_noise_floor(trace(500), None, draws=3)
     assert all(0 < f < 0.02 for f in many)
     assert all(f > 2 * m for f, m in zip(few, many))
+
+
+def test_where_missed_counts_accepted_drafts_and_corrections(tiny_tokenizer_path):
+    """Output = prefill token, then per block its n accepted drafts and the corrected (n < ℓ)
+    or bonus (n = ℓ) token: accepted drafts count as got, corrections as missed, bonuses not."""
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(str(tiny_tokenizer_path))
+    ids = [tok.encode(t).ids[0] for t in ("a", "\n", " the", "7", ",", "x")]
+    req = {"output": ids, "blocks": [{"n_accepted": 2, "n_verified": 3}, {"n_accepted": 1, "n_verified": 1},
+                                     {"n_accepted": 0, "n_verified": 2}]}
+    got = ev.where_missed([req], tok)
+    assert sum(v["accepted"] for v in got.values()) == 3 and sum(v["missed"] for v in got.values()) == 1
+    assert got["newline"]["accepted"] == 1 and got["punct"]["accepted"] == 1
+    assert got[ev.token_class(tok.decode([ids[3]]))]["missed"] == 1  # "7": the correction of block 1
+    assert ev.token_class("    ") == "indent" and ev.token_class(" the") == "word"
+    assert ev.token_class("ing") == "subword"

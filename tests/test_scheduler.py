@@ -1,5 +1,6 @@
-"""Scheduler policies (docs/architecture.md §7): caps, prefix-closure, Algorithm 1, the delayed budget and
-non-anticipation (docs/architecture.md §6) as a property test that also catches a retrospective policy."""
+"""Scheduler policies (architecture §7): caps, prefix-closure, Algorithm 1, the delayed budget, the
+drafting-cost rule, and non-anticipation (architecture §6) as a property test that also catches a
+retrospective policy."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import pytest
 import torch
 
 from dspark.runtime.scheduler import make_policy, sts_survival
-from dspark.runtime.sps import SPSTable
+from dspark.runtime.sps import DraftCost, SPSTable
 
 ALL_SPECS = ["none", "mtp1", "fixed:3", "threshold:0.6", "dspark-theory", "dspark"]
 
@@ -145,31 +146,40 @@ def test_dspark_budget_follows_t_minus_2_snapshot_only():
     assert abs(policy.last_budget - base) <= 2
 
 
-def admitted(policy_spec: str, sps: SPSTable, history: list, survival, remaining, gamma, max_tokens):
-    policy = make_policy(policy_spec, sps=sps, gamma=gamma, max_batch_tokens=max_tokens)
+def admitted(policy_spec: str, sps: SPSTable, history: list, survival, remaining, gamma, max_tokens,
+             draft_cost: DraftCost | None = None, recal: tuple | None = None):
+    policy = make_policy(policy_spec, sps=sps, gamma=gamma, max_batch_tokens=max_tokens,
+                         draft_cost=draft_cost)
+    if recal is not None:  # past outcomes: per-position predicted mass and acceptances
+        policy._predicted[:], policy._accepted[:] = recal
     for old in history:
         policy.decide(old, remaining)
     return policy.decide(survival, remaining)
 
 
-def count_anticipation_violations(spec: str, trials: int, seed: int = 0) -> int:
+def count_anticipation_violations(spec: str, trials: int, seed: int = 0, drafting_cost: bool = False) -> int:
     """Perturb ĉ_{r,j+1..γ} (what a different d_{r,j} would give) and check that whether (r, i)
-    is admitted, for every i ≤ j, never changes. Other rows may change (global interaction)."""
+    is admitted, for every i ≤ j, never changes. Other rows may change (global interaction).
+    drafting_cost: Θ counts a random drafting time per step (the cost-aware budget), and the
+    survivals carry random recalibration factors (as if learned from past steps)."""
     gen = torch.Generator().manual_seed(seed)
     gamma, violations = 4, 0
     for trial in range(trials):
         num_requests = int(torch.randint(1, 5, (1,), generator=gen))
         max_tokens = num_requests * (gamma + 1)
         sps = random_jagged_sps(gen, max_tokens) if trial % 2 else cliff_sps(gen, num_requests, max_tokens)
+        cost = DraftCost({num_requests: float(torch.rand(1, generator=gen)) / 50}) if drafting_cost else None
+        sums = [torch.rand(gamma, generator=gen).numpy() * 20 for _ in range(2)]
+        recal = (sums[0], sums[1]) if drafting_cost else None
         history = [random_batch(gen, num_requests, gamma)[0].cumprod(1) for _ in range(2)]
         conf, remaining = random_batch(gen, num_requests, gamma)
         r = int(torch.randint(0, num_requests, (1,), generator=gen))
         j = int(torch.randint(0, gamma - 1, (1,), generator=gen))  # 0-based: positions ≤ j fixed
-        base = admitted(spec, sps, history, conf.cumprod(1), remaining, gamma, max_tokens)
+        base = admitted(spec, sps, history, conf.cumprod(1), remaining, gamma, max_tokens, cost, recal)
         for _ in range(4):
             other = conf.clone()
             other[r, j + 1:] = torch.rand(gamma - j - 1, generator=gen) ** 0.3
-            new = admitted(spec, sps, history, other.cumprod(1), remaining, gamma, max_tokens)
+            new = admitted(spec, sps, history, other.cumprod(1), remaining, gamma, max_tokens, cost, recal)
             # (r, i) admitted iff ℓ_r > i; compare for i = 0..j
             if min(int(base[r]), j + 1) != min(int(new[r]), j + 1):
                 violations += 1
@@ -183,6 +193,119 @@ def test_non_anticipation_property(spec):
 
 def test_property_catches_retrospective_policy():
     assert count_anticipation_violations("retrospective", trials=200) >= 3
+
+
+@pytest.mark.parametrize("spec", ["dspark", "dspark:delayed"])
+def test_non_anticipation_with_drafting_counted(spec):
+    assert count_anticipation_violations(spec, trials=200, seed=1, drafting_cost=True) == 0
+
+
+def test_draft_or_skip_reads_only_step_t_minus_2():
+    """The cost rule for step t+1 (asked after step t's decide) reads the snapshots up to step t−1:
+    it never changes with the survivals of steps t or t+1, and follows the t−1 snapshot."""
+    gen = torch.Generator().manual_seed(4)
+    flat = SPSTable([1, 1024], [100.0, 99.0])  # verify costs 10 ms whatever B
+    num_requests, gamma = 16, 7
+    rem = torch.full((num_requests,), 1000)
+    high = torch.full((num_requests, gamma), 0.9).cumprod(1)
+    low = torch.full((num_requests, gamma), 0.05).cumprod(1)
+
+    def wants(t_minus_1, now) -> bool:
+        policy = make_policy("dspark", sps=flat, gamma=gamma, draft_cost=DraftCost({num_requests: 0.005}))
+        policy.decide(t_minus_1, rem)
+        policy.decide(now, rem)
+        return policy.wants_draft(num_requests)
+
+    assert wants(high, low) and not wants(low, high)
+    for _ in range(10):
+        now = torch.rand(num_requests, gamma, generator=gen).cumprod(1)
+        assert wants(high, now) and not wants(low, now)
+
+
+def test_cost_rule_skips_drafting_only_when_it_is_slower_than_plain():
+    """Θ_spec = max_K (R + Σ top-K a) / (t_draft + 1/SPS(R+K)) against plain R · SPS(R): with a
+    5 ms drafter on a flat 10 ms verify, confident survivals (Σ a ≈ 4.2 per request) pay and
+    unconfident ones (0.05) do not; no measured cost yet -> draft; skipping probes every 16 steps."""
+    flat = SPSTable([1, 1024], [100.0, 99.0])
+    r, gamma = 8, 7
+    rem = torch.full((r,), 1000)
+    policy = make_policy("dspark", sps=flat, gamma=gamma)
+    low = torch.full((r, gamma), 0.05).cumprod(1)
+    high = torch.full((r, gamma), 0.9).cumprod(1)
+    policy.decide(low, rem)
+    policy.decide(low, rem)
+    assert policy.wants_draft(r)  # nothing measured: draft
+    policy.observe_draft(r, 0.005)
+    decisions = [policy.wants_draft(r) for _ in range(34)]
+    assert decisions.count(True) == 2 and decisions[16] and decisions[33]  # probes only
+    for _ in range(8):  # the average curve follows confident steps within a few steps
+        policy.decide(high, rem)
+    assert policy.wants_draft(r)
+    # a free drafter: speculation never loses to plain on a flat SPS
+    free = make_policy("dspark", sps=flat, gamma=gamma, draft_cost=DraftCost({r: 1e-9}))
+    free.decide(low, rem)
+    free.decide(low, rem)
+    assert free.wants_draft(r)
+    # policies other than dspark always draft
+    assert make_policy("fixed:3", sps=flat, gamma=gamma, draft_cost=DraftCost({r: 1.0})).wants_draft(r)
+
+
+def test_budget_with_drafting_counted_is_the_brute_force_argmax():
+    """K_t maximises (R + S(K)) / (t_draft(R) + 1/SPS(R + K)) on the t−2 snapshot."""
+    gen = torch.Generator().manual_seed(12)
+    gamma = 5
+    for trial in range(40):
+        num_requests = int(torch.randint(1, 16, (1,), generator=gen))
+        sps = random_jagged_sps(gen, num_requests * (gamma + 1))
+        t_draft = float(torch.rand(1, generator=gen)) * 3 / sps.steps_per_second[0]
+        snapshot = (torch.rand(num_requests, gamma, generator=gen) ** 0.5).cumprod(1)
+        rem = torch.full((num_requests,), 100)
+        policy = make_policy("dspark:delayed", sps=sps, gamma=gamma, max_batch_tokens=10_000,
+                             draft_cost=DraftCost({num_requests: t_draft}))
+        for survival in (snapshot, torch.rand(num_requests, gamma, generator=gen),
+                         torch.rand(num_requests, gamma, generator=gen)):
+            policy.decide(survival, rem)
+        values = sorted(snapshot.reshape(-1).tolist(), reverse=True)
+        theta = [(num_requests + sum(values[:k])) / (t_draft + 1 / sps(num_requests + k))
+                 for k in range(len(values) + 1)]
+        want = max(k for k, t in enumerate(theta) if t >= max(theta) * (1 - 1e-12))
+        assert policy.last_budget == want, trial
+
+
+def test_recalibration_follows_realised_acceptance():
+    """dspark scales survivals by realised acceptance / predicted survival per position, learned
+    from completed steps: a drafter that claims 0.9 but is never accepted loses its budget; one
+    that is accepted as predicted keeps factors near 1."""
+    buckets = list(range(1, 257))
+    sps = SPSTable(buckets, [1000.0 / (1.0 + 0.05 * b) for b in buckets])
+    r, gamma = 16, 4
+    rem = torch.full((r,), 1000)
+    claimed = torch.full((r, gamma), 0.9).cumprod(1)
+    naive = make_policy("dspark:delayed", sps=sps, gamma=gamma)
+    learned = make_policy("dspark:delayed", sps=sps, gamma=gamma)
+    for _ in range(20):
+        ells = learned.decide(claimed, rem)
+        naive.decide(claimed, rem)
+        learned.observe_acceptance(claimed, ells, torch.zeros(r, dtype=torch.int64))  # nothing accepted
+    assert (learned.recalibration(gamma) < 0.3).all() and learned.last_budget < naive.last_budget // 2
+    honest = make_policy("dspark:delayed", sps=sps, gamma=gamma)
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(200):
+        ells = honest.decide(claimed, rem)
+        n = (torch.rand(r, gamma, generator=gen) < 0.9).long().cumprod(1).sum(1)  # accepted as claimed
+        honest.observe_acceptance(claimed, ells, torch.minimum(n, ells))
+    assert abs(honest.recalibration(gamma)[0] - 1.0) < 0.1
+
+
+def test_draft_cost_interpolates_and_learns():
+    cost = DraftCost({1: 0.002, 9: 0.010})
+    assert cost(5) == pytest.approx(0.006) and cost(32) == 0.010 and cost(1) == 0.002
+    cost.observe(1, 0.004)
+    assert 0.002 < cost(1) < 0.004
+    assert DraftCost()(4) is None
+    frozen = DraftCost({1: 0.002}, learn=False)
+    frozen.observe(1, 0.5)
+    assert frozen(1) == 0.002
 
 
 def test_appendix_a_example_retrospective_admits_only_when_future_is_confident():

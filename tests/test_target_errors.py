@@ -136,3 +136,81 @@ def test_bad_batches(engine):
         assert engine.length(slot) == 3
     finally:
         engine.release(slot)
+
+
+def _write_gguf(path, arch: str, block_count: int) -> None:
+    import gguf
+    import numpy as np
+
+    w = gguf.GGUFWriter(str(path), arch)
+    w.add_block_count(block_count)
+    w.add_tensor("token_embd.weight", np.zeros((8, 4), np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+@pytest.fixture()
+def tiny_llama(tmp_path, tiny_tokenizer_path):
+    from tiny import make_tiny_checkpoint
+
+    return make_tiny_checkpoint(tmp_path / "llama", "llama", tokenizer_path=tiny_tokenizer_path)
+
+
+def test_gguf_of_another_architecture(tiny_llama):
+    _write_gguf(tiny_llama / "model.gguf", "gpt2", 4)
+    with pytest.raises(ValueError, match=r"model\.gguf: general\.architecture is 'gpt2'"):
+        TargetEngine.from_pretrained(tiny_llama, dtype=torch.bfloat16, quant="q4_1")
+
+
+def test_gguf_that_does_not_match_the_config(tiny_llama):
+    _write_gguf(tiny_llama / "model.gguf", "llama", 7)
+    with pytest.raises(ValueError, match=r"llama\.block_count = 7 but config\.json num_hidden_layers = 4"):
+        TargetEngine.from_pretrained(tiny_llama, dtype=torch.bfloat16, quant="q4_1")
+
+
+def test_q4_1_needs_a_gguf_and_bf16(tiny_llama):
+    with pytest.raises(FileNotFoundError, match="GGUF"):
+        TargetEngine.from_pretrained(tiny_llama, dtype=torch.bfloat16, quant="q4_1")
+    with pytest.raises(ValueError, match="bf16"):
+        TargetEngine.from_pretrained(tiny_llama, dtype=torch.float32, quant="q4_1")
+    from dspark import wiring
+
+    with pytest.raises(ValueError, match="dtype.*q4_1.*cpu"):
+        wiring.load_target(wiring.Spec(model=str(tiny_llama), dtype="q4_1", device="cuda"))
+
+
+def test_missing_tokenizer_file(ckpt_copy):
+    (ckpt_copy / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|endoftext|>"}))
+    (ckpt_copy / "tokenizer.json").unlink()
+    with pytest.raises(FileNotFoundError, match=r"tokenizer_config\.json but no tokenizer\.json"):
+        TargetEngine.from_pretrained(ckpt_copy)
+
+
+def test_chat_template_errors(ckpt_copy):
+    from dspark.runtime.chat import ChatTemplate
+
+    with pytest.raises(FileNotFoundError, match=r"no tokenizer_config\.json"):
+        ChatTemplate.from_folder(ckpt_copy)
+    (ckpt_copy / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|endoftext|>"}))
+    with pytest.raises(ValueError, match="no field 'chat_template'"):
+        ChatTemplate.from_folder(ckpt_copy)
+    (ckpt_copy / "tokenizer_config.json").write_text(json.dumps(
+        {"eos_token": "<|endoftext|>", "chat_template": "{% for m in messages %}{{ m.role }}:{{ m.content }}"
+         "{{ eos_token }}{% endfor %}{% if add_generation_prompt %}assistant:{% endif %}"}))
+    template = ChatTemplate.from_folder(ckpt_copy)
+    assert template.render([{"role": "user", "content": "hi"}]) == "user:hi<|endoftext|>assistant:"
+    for bad, field in (([], "messages"), ([{"role": "user"}], r"messages\[0\]\.content"),
+                       ([{"role": "user", "content": "a"}, {"content": "b"}], r"messages\[1\]\.role"),
+                       ("hi", "messages")):
+        with pytest.raises(ValueError, match=field):
+            template.render(bad)
+
+
+def test_prompt_longer_than_the_context(tiny_ckpt, capsys):
+    from dspark.cli import main
+
+    assert main(["generate", "--model", str(tiny_ckpt), "--prompt", "def add(a, b): return a + b " * 8,
+                 "--max-seq-len", "16", "--drafter", "none"]) == 2
+    assert "longer than --max-seq-len 16" in capsys.readouterr().err

@@ -188,10 +188,19 @@ def test_bench_target_writes_json(tiny_ckpt, tmp_path):
 
     out = tmp_path / "bench.json"
     assert main(["bench-target", "--model", str(tiny_ckpt), "--batch-sizes", "1,2", "--max-new-tokens", "3",
-                 "--repeats", "1", "--verify-max-tokens", "4", "--threads", "1", "--out", str(out)]) == 0
+                 "--repeats", "1", "--prompt-len", "8", "--verify-context", "8", "--thread-counts", "1",
+                 "--out", str(out)]) == 0
     res = json.loads(out.read_text())
     tps = res["decode_tokens_per_s"]
+    assert set(tps) == {"dspark", "transformers"}  # no GGUF: no q4_1 column
     assert set(tps["dspark"]) == set(tps["transformers"]) == {"1", "2"}
-    assert all(v > 0 for v in res["decode_tokens_per_s"]["dspark"].values())
-    assert list(res["verify_ms_by_batch_tokens"]) == ["1", "2", "4"]
-    assert res["greedy_outputs_match_fraction"] == {"1": 1.0, "2": 1.0}
+    assert all(v > 0 for v in tps["dspark"].values())
+    assert res["dtype"] in ("fp32", "bf16")
+    assert tps["dspark"] == res["decode_tokens_per_s_by_dtype"]["dspark"][res["dtype"]]
+    assert list(res["verify_ms_by_tokens"]) == ["1", "2", "4", "8", "16", "32", "64"]
+    assert res["greedy_fp32_outputs_match_transformers"] == {"1": 1.0, "2": 1.0}
+    assert set(res["goals"]) == {"batch1_vs_transformers", "batch32_vs_transformers", "verify16_vs_step"}
+    assert set(res["decode_tokens_per_s_by_threads"]) == {"as_is", "one_busy_core"}
+    acc = res["accuracy"]  # bf16 against fp32 on the same logit rows
+    assert acc["rows"] == 16 and 0 < acc["bf16"]["max_abs"] < 1 and acc["bf16"]["top1_agree"] > 0.5
+    assert set(res["decode_tokens_per_s_by_threads"]["one_busy_core"]["1"]) == {"1", "2"}

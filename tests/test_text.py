@@ -128,5 +128,17 @@ def test_load_tokenizer_roundtrip(tmp_path):
     tok.save(str(tmp_path / "tokenizer.json"))
     loaded = load_tokenizer(tmp_path)
     assert decode(loaded, encode(loaded, SAMPLE)) == SAMPLE
-    with pytest.raises(FileNotFoundError):
+    with pytest.raises(FileNotFoundError, match="no tokenizer.json"):
         load_tokenizer(tmp_path / "missing")
+
+
+def test_load_tokenizer_optional_only_for_weights_only_folders(tmp_path):
+    """Callers that work on token ids alone say so (optional=True); a half tokenizer still fails."""
+    (tmp_path / "weights").mkdir()
+    assert load_tokenizer(tmp_path / "weights", optional=True) is None
+    with pytest.raises(FileNotFoundError, match="no tokenizer.json"):
+        load_tokenizer(tmp_path / "weights")
+    (tmp_path / "broken").mkdir()
+    (tmp_path / "broken" / "tokenizer_config.json").write_text("{}")
+    with pytest.raises(FileNotFoundError, match="tokenizer_config.json but no tokenizer.json"):
+        load_tokenizer(tmp_path / "broken", optional=True)

@@ -1,9 +1,10 @@
-"""Lossless verification (docs/architecture.md §6): the emitted tokens follow the target's distribution.
+"""Lossless verification (architecture §6): the emitted tokens follow the target's distribution.
 
-Distribution tests batch 1e5 independent requests as rows of one ragged call. Target and
-drafter are first-order Markov chains on a small vocabulary, so the joint of the first two
-emitted tokens has a closed form: P(x1, x2) = p_t(x1 | x0) · p_t(x2 | x1). Each test uses a
-fixed seed and a chi-square test with p > 1e-3; a negative control shows the test can fail.
+Distribution tests batch 1e5 independent requests as rows of one ragged call, with the draft
+probabilities in the flat layout (one row per verified draft). Target and drafter are
+first-order Markov chains on a small vocabulary, so the joint of the first two emitted tokens
+has a closed form: P(x1, x2) = p_t(x1 | x0) · p_t(x2 | x1). Each test uses a fixed seed and a
+chi-square test with p > 1e-3; a negative control shows the test can fail.
 """
 
 from __future__ import annotations
@@ -12,8 +13,16 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
-from dspark.runtime.sampling import SamplingParams, param_tensors, sampling_probs
-from dspark.runtime.verify import draw_uniforms, rejection_sample_ref, verify_ragged
+from dspark.runtime.sampling import (
+    SamplingBatch,
+    SamplingParams,
+    param_tensors,
+    philox4x32,
+    philox_uniforms,
+    sampling_probs,
+)
+from dspark.runtime.verify import verify_ragged
+from dspark_kernels.reference import rejection_sample_ref
 
 V = 6
 SAMPLES = 100_000
@@ -62,9 +71,11 @@ class MarkovPair:
         target_logits = self.target_logits[contexts[keep]]
         cu = torch.zeros(m + 1, dtype=torch.int64)
         cu[1:] = (lens + 1).cumsum(0)
-        q = self.p_d[contexts[:, :gamma]] if draft_probs else None
+        verified = torch.arange(gamma)[None, :] < lens[:, None]
+        q = self.p_d[contexts[:, :gamma][verified]] if draft_probs else None  # flat [Σℓ, V]
         uniforms = torch.rand(m, gamma + 1, generator=g)
-        return verify_ragged(target_logits, drafts, q, lens, cu, [self.params] * m, [None] * m, uniforms)
+        return verify_ragged(target_logits, drafts, lens, cu, SamplingBatch.from_params([self.params] * m), q,
+                             uniforms)
 
 
 def first_two_tokens(pair: MarkovPair, gamma: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -111,8 +122,8 @@ def test_negative_control_wrong_acceptance_is_detected():
     contexts = torch.cat([anchors[:, None], drafts], dim=1).flatten()
     p_t = pair.p_t[contexts]
     uniforms = torch.rand(m, gamma + 1, generator=g)
-    wrong = rejection_sample_ref(p_t, drafts, torch.zeros(m, gamma, V), cu, uniforms)
-    assert chi_square_p(counts(wrong.tokens[:, 0], V), pair.p_t[V]) < 1e-3
+    _, wrong = rejection_sample_ref(p_t, drafts, torch.zeros(m * gamma, V), cu, uniforms)
+    assert chi_square_p(counts(wrong[:, 0], V), pair.p_t[V]) < 1e-3
 
 
 def test_deterministic_drafts_one_hot_is_lossless():
@@ -123,8 +134,8 @@ def test_deterministic_drafts_one_hot_is_lossless():
     assert chi_square_p(counts(out.tokens[:, 0], V), pair.p_t[V]) > 1e-3
 
 
-def test_greedy_emits_argmax_exactly():
-    g = torch.Generator().manual_seed(6)
+def greedy_case(seed: int):
+    g = torch.Generator().manual_seed(seed)
     lens = torch.tensor([0, 3, 1, 4, 4, 2])
     r, gamma, vocab = lens.numel(), 4, 50
     cu = torch.zeros(r + 1, dtype=torch.int64)
@@ -135,51 +146,82 @@ def test_greedy_emits_argmax_exactly():
     for i in range(r):  # make a random prefix of each draft agree with the target
         n_match = int(torch.randint(0, int(lens[i]) + 1, (), generator=g))
         drafts[i, :n_match] = argmax[cu[i] : cu[i] + n_match]
-    params = [SamplingParams(temperature=0.0)] * r
-    for draft_probs in (None, torch.softmax(torch.randn(r, gamma, vocab, generator=g), -1)):
-        out = verify_ragged(logits, drafts, draft_probs, lens, cu, params, [None] * r)
-        for i in range(r):
-            rows = argmax[cu[i] : cu[i + 1]]
-            n = 0
-            while n < int(lens[i]) and int(drafts[i, n]) == int(rows[n]):
-                n += 1
-            assert int(out.num_accepted[i]) == n
-            assert out.tokens[i, : n + 1].tolist() == drafts[i, :n].tolist() + [int(rows[n])]
-            assert (out.tokens[i, n + 1 :] == -1).all()
+    return lens, cu, logits, argmax, drafts
 
 
-def test_seeded_requests_are_reproducible_and_seeds_matter():
-    g = torch.Generator().manual_seed(7)
-    r, gamma, vocab = 4, 3, 40
-    lens = torch.full((r,), gamma)
-    cu = torch.arange(r + 1) * (gamma + 1)
-    logits = torch.randn(r * (gamma + 1), vocab, generator=g) * 0.3
-    q = torch.softmax(torch.randn(r, gamma, vocab, generator=g) * 0.3, -1)
-    drafts = torch.multinomial(q.view(-1, vocab), 1, generator=g).view(r, gamma)
-    params = [SamplingParams(temperature=1.0, seed=s) for s in (11, 12, 13, 14)]
+def test_greedy_emits_argmax_exactly():
+    lens, cu, logits, argmax, drafts = greedy_case(6)
+    r = lens.numel()
+    out = verify_ragged(logits, drafts, lens, cu, SamplingBatch.from_params([SamplingParams()] * r), None,
+                        torch.rand(r, 5))
+    for i in range(r):
+        rows = argmax[cu[i] : cu[i + 1]]
+        n = 0
+        while n < int(lens[i]) and int(drafts[i, n]) == int(rows[n]):
+            n += 1
+        assert int(out.num_accepted[i]) == n
+        assert out.tokens[i, : n + 1].tolist() == drafts[i, :n].tolist() + [int(rows[n])]
+        assert (out.tokens[i, n + 1 :] == -1).all()
 
-    def run(ps):
-        return verify_ragged(logits, drafts, q, lens, cu, ps, [p.generator() for p in ps]).tokens
 
-    assert torch.equal(run(params), run(params))
-    other = [SamplingParams(temperature=1.0, seed=s + 100) for s in (11, 12, 13, 14)]
-    assert not torch.equal(run(params), run(other))
-    # Uniform draws per request come from that request's generator alone.
-    u1 = draw_uniforms([params[0].generator(), None], 4)
-    u2 = draw_uniforms([params[0].generator(), params[1].generator()], 4)
-    assert torch.equal(u1[0], u2[0])
+def test_mixed_batch_equals_its_greedy_and_sampled_parts():
+    """Greedy and sampled requests in one call: each part gets exactly what it gets alone; the
+    flat draft probabilities hold rows for the sampled requests only."""
+    lens, cu, logits, _, drafts = greedy_case(7)
+    r, gamma, vocab = lens.numel(), drafts.shape[1], logits.shape[1]
+    params = [SamplingParams(temperature=0.0 if i % 2 else 1.0, seed=i) for i in range(r)]
+    sampled = [i for i in range(r) if i % 2 == 0]
+    q_all = torch.softmax(torch.randn(r, gamma, vocab, generator=torch.Generator().manual_seed(8)), -1)
+    verified = torch.arange(gamma)[None, :] < lens[:, None]
+    q = q_all[sampled][verified[sampled]]
+    u = torch.rand(r, gamma + 1, generator=torch.Generator().manual_seed(9))
+    out = verify_ragged(logits, drafts, lens, cu, SamplingBatch.from_params(params), q, u)
+    for part in (sampled, [i for i in range(r) if i % 2]):
+        idx = torch.tensor(part)
+        rows = torch.cat([torch.arange(int(cu[i]), int(cu[i + 1])) for i in part])
+        sub_cu = torch.zeros(len(part) + 1, dtype=torch.int64)
+        sub_cu[1:] = (lens[idx] + 1).cumsum(0)
+        sub_q = q_all[idx][verified[idx]] if part == sampled else None
+        alone = verify_ragged(logits[rows], drafts[idx], lens[idx], sub_cu,
+                              SamplingBatch.from_params([params[i] for i in part]), sub_q, u[idx])
+        assert torch.equal(out.tokens[idx], alone.tokens)
+        assert torch.equal(out.num_accepted[idx], alone.num_accepted)
+
+
+def test_philox_matches_the_reference_vectors_and_is_per_request():
+    """Philox-4x32-10 known-answer vectors (Random123), then: a request's uniforms depend on its
+    key, counter and stream only (not on the other rows), seeds matter, and they are uniform."""
+    t = lambda *v: tuple(torch.tensor([x], dtype=torch.int64) for x in v)
+    words = lambda c, k: [int(x) for x in philox4x32(t(*c), t(*k))]
+    assert words((0, 0, 0, 0), (0, 0)) == [0x6627E8D5, 0xE169C58D, 0xBC57AC4C, 0x9B00DBD8]
+    f = 0xFFFFFFFF
+    assert words((f, f, f, f), (f, f)) == [0x408F276D, 0x41C83B0E, 0xA20BC7C6, 0x6D5451FD]
+    keys = torch.tensor([11, 12, 13], dtype=torch.int64)
+    u = philox_uniforms(keys, torch.tensor([0, 5, 7]), 9, stream=1)
+    alone = philox_uniforms(keys[1:2], torch.tensor([5]), 9, stream=1)
+    assert torch.equal(u[1], alone[0]) and u.shape == (3, 9) and ((u >= 0) & (u < 1)).all()
+    assert not torch.equal(u[1], philox_uniforms(keys[1:2], torch.tensor([6]), 9, stream=1)[0])
+    assert not torch.equal(u[1], philox_uniforms(keys[1:2], torch.tensor([5]), 9, stream=0)[0])
+    assert SamplingParams(seed=3).rng_key() == SamplingParams(seed=3).rng_key() != SamplingParams().rng_key()
+    many = philox_uniforms(torch.arange(20_000), torch.zeros(20_000, dtype=torch.int64), 5, stream=0)
+    observed = torch.bincount((many * 10).long().flatten(), minlength=10)
+    assert chi_square_p(observed, torch.full((10,), 0.1)) > 1e-3
 
 
 def test_zero_mass_residual_falls_back_to_target():
     """p_t == p_d exactly on the rejected row: residual is 0, the draw comes from p_t."""
     p = torch.tensor([[0.5, 0.5, 0.0]])
     cu, uniforms = torch.tensor([0, 1]), torch.tensor([[0.9, 0.3]])
-    out = rejection_sample_ref(p, torch.tensor([[2]]), p[None], cu, uniforms)
+    n, tokens = rejection_sample_ref(p, torch.tensor([[2]]), p, cu, uniforms)
     # d = 2 has p_t = 0 -> rejected; residual max(0, p_t - p_d) = 0 -> sample p_t with u = 0.3 -> token 0
-    assert out.num_accepted.tolist() == [0] and out.tokens.tolist() == [[0, -1]]
+    assert n.tolist() == [0] and tokens.tolist() == [[0, -1]]
 
 
-def test_rejects_inconsistent_lengths():
-    with pytest.raises(ValueError):
-        verify_ragged(torch.zeros(3, 4), torch.zeros(1, 2, dtype=torch.int64), None, torch.tensor([1]),
-                      torch.tensor([0, 3]), [SamplingParams()], [None])
+def test_rejects_inconsistent_inputs():
+    one = SamplingBatch.from_params([SamplingParams(temperature=1.0)])
+    with pytest.raises(ValueError, match="cu_seqlens"):
+        verify_ragged(torch.zeros(3, 4), torch.zeros(1, 2, dtype=torch.int64), torch.tensor([1]),
+                      torch.tensor([0, 3]), one, None, torch.rand(1, 3))
+    with pytest.raises(ValueError, match="draft_probs"):
+        verify_ragged(torch.zeros(2, 4), torch.zeros(1, 2, dtype=torch.int64), torch.tensor([1]),
+                      torch.tensor([0, 2]), one, torch.zeros(2, 4), torch.rand(1, 3))

@@ -1,5 +1,6 @@
 """Tiny real assets for tests: a byte-level BPE tokenizer trained on CPython's stdlib text
-and random tiny Hugging Face checkpoints written by transformers itself."""
+and random tiny Hugging Face checkpoints written by transformers itself (random norm weights
+and biases too, so a wrong norm or a dropped bias shows in the logits)."""
 
 from __future__ import annotations
 
@@ -44,12 +45,28 @@ def train_tiny_tokenizer(out_path: str | Path, vocab_size: int = 300) -> Path:
     return out_path
 
 
+@torch.no_grad()
+def randomize_norms_and_biases(model: torch.nn.Module, seed: int = 0) -> torch.nn.Module:
+    """Give every RMSNorm weight (layer norms, q/k norms, the final norm) a random value in
+    [0.5, 1.5] and every bias a random N(0, 0.1) value. Fresh HF models start with norm
+    weights 1 and biases 0, under which a dropped bias or a norm applied after RoPE instead
+    of before (rotation keeps the RMS; a constant weight commutes with it) change nothing."""
+    g = torch.Generator().manual_seed(10_000 + seed)
+    for name, p in model.named_parameters():
+        if name.endswith("norm.weight"):
+            p.copy_(0.5 + torch.rand(p.shape, generator=g))
+        elif name.endswith(".bias"):
+            p.copy_(0.1 * torch.randn(p.shape, generator=g))
+    return model
+
+
 def make_tiny_checkpoint(path: str | Path, model_type: str = "qwen3",
                          tokenizer_path: str | Path | None = None, seed: int = 0,
                          max_shard_size: str | None = None, **overrides) -> Path:
     """A random tiny `model_type` model saved by transformers' save_pretrained into `path`
     (+ tokenizer.json if given). Defaults: hidden 64, 4 layers, 4 heads, 2 kv heads,
-    head_dim 16, vocab = tokenizer size (else 300). `overrides` go to the HF config."""
+    head_dim 16, vocab = tokenizer size (else 300). `overrides` go to the HF config. Norm
+    weights and biases are random (`randomize_norms_and_biases`), not HF's 1 and 0."""
     import transformers
 
     path = Path(path)
@@ -66,6 +83,7 @@ def make_tiny_checkpoint(path: str | Path, model_type: str = "qwen3",
     cfg = getattr(transformers, HF_CONFIG_CLASSES[model_type])(**kwargs)
     torch.manual_seed(seed)
     model = getattr(transformers, HF_MODEL_CLASSES[model_type])(cfg).eval()
+    randomize_norms_and_biases(model, seed)
     save_kwargs = {} if max_shard_size is None else {"max_shard_size": max_shard_size}
     model.save_pretrained(path, **save_kwargs)
     if tokenizer_path is not None:

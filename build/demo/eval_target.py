@@ -21,7 +21,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from dspark.paths import DEMO_TARGET, RESULTS
+from dspark.paths import DEMO_TARGET, RESULTS, relative
 from dspark.runtime.engine import SpecEngine
 from dspark.runtime.loader import load_model
 
@@ -109,7 +109,7 @@ def main() -> None:
         "perplexity": ppl,
         "tokens_evaluated": counts,
         "target_beats_trigram": {d: ppl[d]["target"] < ppl[d]["trigram"] for d in DOMAINS},
-        "target": {"path": str(args.target), "params": sum(p.numel() for p in model.parameters()),
+        "target": {"path": relative(args.target), "params": sum(p.numel() for p in model.parameters()),
                    "config": {k: getattr(cfg, k) for k in CONFIG_KEYS}},
         "trigram": {"method": "interpolated Kneser-Ney", "discounts": [trigram.d1, trigram.d2, trigram.d3],
                     "train_tokens": int(train.size)},

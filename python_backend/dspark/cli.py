@@ -14,12 +14,16 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "bench-target": ("dspark.bench.target", "plain decode tokens/s: ours vs transformers"),
     "bench": ("dspark.bench.e2e", "end-to-end speculative benchmark"),
     "bench-scheduler": ("dspark.bench.scheduler", "scheduler decide() latency per policy"),
+    "bench-drafter": ("dspark.bench.drafter", "one drafting step against one target step"),
+    "bench-triton": ("dspark.bench.triton_overhead", "serving through Triton vs the same engine in process"),
     "profile-sps": ("dspark.bench.sps", "profile target steps/second vs token batch size"),
     "simulate": ("dspark.tools.simulate", "serving simulator over scheduler policies"),
     "appendix-a": ("dspark.tools.appendix_a", "non-anticipation harness (paper Appendix A)"),
+    "corpus": ("dspark.tools.corpus", "build the SmolLM2 drafter prompt corpus"),
     "train": ("dspark.tools.train", "train a drafter"),
     "calibrate": ("dspark.tools.calibrate", "Sequential Temperature Scaling"),
     "eval": ("dspark.tools.evaluate", "offline drafter evaluation"),
+    "draft-vocab": ("dspark.tools.draft_vocab", "the draft vocabulary of a model's DSpark drafters"),
 }
 
 

@@ -33,11 +33,21 @@ DEFAULT_DRAFTER = "dspark-markov"
 SPS_TABLES: dict[str, Path] = {"smollm2": paths.RESULTS / "sps_smollm2_cpu.json",
                                "demo": paths.RESULTS / "sps_cpu.json"}
 DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16,
-          "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16}
+          "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16,
+          "q4_1": torch.bfloat16}
+# dtype names that keep the GGUF's quantized weights (dspark.runtime.quant); the value above is
+# the activation dtype they run with.
+QUANTIZED = {"q4_1": "q4_1"}
 # What `dtype=auto` means on the CPU, per model: the faster one on this CPU for the shapes
 # served, measured by `dspark bench-target` (results/target_bench_smollm2.json); the demo target
 # keeps fp32 (its step is op-overhead bound, and its drafters were trained on fp32 features).
 AUTO_CPU_DTYPE: dict[str, torch.dtype] = {"smollm2": torch.bfloat16, "demo": torch.float32}
+# What `num_threads=0` means on the CPU: 1 intra-op thread. Measured (`dspark bench-target`,
+# results/target_bench_smollm2.json "decode_tokens_per_s_by_threads"): 2 OpenMP threads gain
+# ~13 % at batch 1 on an idle 2-core machine but collapse when anything else runs on it
+# (batch 32: 44 instead of 335 tok/s: the spinning threads wait on each other), and every SPS
+# table the scheduler reads is profiled at 1 thread. Pass num_threads to override.
+AUTO_CPU_THREADS = 1
 
 
 @dataclass(frozen=True)
@@ -45,11 +55,11 @@ class Spec:
     """Everything needed to build an engine. String-typed where config.pbtxt is."""
 
     model: str = "smollm2"  # smollm2 | demo | HF folder
-    dtype: str = "auto"  # auto | fp32 | bf16 | fp16
+    dtype: str = "auto"  # auto | fp32 | bf16 | fp16 | q4_1 (the GGUF's int4 weights, CPU)
     device: str = "auto"  # auto (cuda when available) | cpu | cuda[:N]
     capacity: int = 8  # KV slots = requests decoded together
     max_seq_len: int = 2048  # tokens per slot (prompt + output)
-    num_threads: int = 0  # torch intra-op threads on the CPU (0 = torch's default)
+    num_threads: int = 0  # torch intra-op threads on the CPU (0 = AUTO_CPU_THREADS)
     drafter: str = "auto"  # auto | none | ngram[:N] | drafter name | drafter folder
     policy: str = "dspark"  # none | fixed:k | mtp1 | threshold:t | dspark-theory | dspark
     gamma: int = 7  # draft block size γ
@@ -87,10 +97,11 @@ def resolve(params: Mapping[str, Any] | None = None, env: Mapping[str, str] | No
         if f.name in values:
             raw = values[f.name]
             try:
-                cast = int(raw) if f.type == "int" else str(raw)
+                cast: int | str = int(raw) if f.type == "int" else str(raw)
             except (TypeError, ValueError):
                 raise ValueError(f"setting {f.name!r}: expected an integer, got {raw!r}") from None
-            out = replace(out, **{f.name: cast})
+            changes: dict[str, Any] = {f.name: cast}
+            out = replace(out, **changes)
     return out
 
 
@@ -129,16 +140,22 @@ def torch_dtype(spec: Spec, device: torch.device | None = None) -> torch.dtype:
     return DTYPES[spec.dtype]
 
 
-def load_target(spec: Spec, num_taps: int = 3):
-    """The in-process target engine (`TargetEngine`) described by the spec."""
+def load_target(spec: Spec, num_taps: int = 3, compile: bool = False):
+    """The in-process target engine (`TargetEngine`) described by the spec (compile: see
+    `TargetEngine`; off by default, a benchmark option)."""
     from dspark.runtime.target import TargetEngine
 
-    if spec.num_threads > 0:
-        torch.set_num_threads(spec.num_threads)
     device = torch_device(spec)
+    threads = spec.num_threads or (AUTO_CPU_THREADS if device.type == "cpu" else 0)
+    if threads > 0:
+        torch.set_num_threads(threads)
+    quant = QUANTIZED.get(spec.dtype)
+    if quant is not None and device.type != "cpu":
+        raise ValueError(f"setting 'dtype': {spec.dtype} runs torch's CPU int4 kernels; use device cpu")
     return TargetEngine.from_pretrained(model_folder(spec.model), capacity=spec.capacity,
                                         max_seq_len=spec.max_seq_len, device=device,
-                                        dtype=torch_dtype(spec, device), num_taps=num_taps)
+                                        dtype=torch_dtype(spec, device), num_taps=num_taps, quant=quant,
+                                        compile=compile)
 
 
 def drafter_folder(spec: Spec, name: str | None = None) -> Path | None:
@@ -209,9 +226,10 @@ def add_arguments(p, **defaults: Any) -> None:
     base = replace(Spec(), **defaults)
     help_text = {
         "model": "smollm2 (default model), demo (10M demo target) or a Hugging Face folder",
-        "dtype": "auto (the faster on this machine), fp32, bf16", "device": "auto, cpu, cuda[:N]",
+        "dtype": "auto (the faster on this machine), fp32, bf16, q4_1 (GGUF int4 weights, CPU)",
+        "device": "auto, cpu, cuda[:N]",
         "capacity": "KV-cache slots (concurrent requests)", "max_seq_len": "tokens per slot",
-        "num_threads": "torch CPU threads (0 = torch's default)",
+        "num_threads": f"torch CPU threads (0 = auto: {AUTO_CPU_THREADS} on the CPU)",
         "drafter": "auto, none, ngram[:N], a shipped drafter name or a drafter folder",
         "policy": "none, fixed:k, mtp1, threshold:t, dspark-theory, dspark",
         "gamma": "draft block size γ", "sps": "auto, gpu_shaped or an sps.json path",

@@ -12,10 +12,10 @@ N_PER_DOMAIN=${N_PER_DOMAIN:-600}
 T1_SHARE=${T1_SHARE:-0.3333}
 THREADS=${THREADS:-2}
 run() { echo "== $(date -u +%T) $*"; nice -n 5 "$@"; }
-BUDGET="--steps $STEPS --batch 8 --anchors 8 --block-size 15 --gamma 7 --lr 3e-3 --warmup 10 --threads $THREADS"
+BUDGET="--model demo --steps $STEPS --batch 8 --anchors 8 --block-size 15 --gamma 7 --lr 3e-3 --warmup 10 --threads $THREADS"
 
 if [ ! -f build/demo/work/drafter_data/features.pt ]; then
-  run $DSPARK train --make-data --n-per-domain "$N_PER_DOMAIN" --max-new 128 --min-prompt 16 \
+  run $DSPARK train --model demo --make-data --n-per-domain "$N_PER_DOMAIN" --max-new 128 --min-prompt 16 \
     --max-prompt 64 --gen-batch 75 --t1-share "$T1_SHARE" --threads "$THREADS"
 fi
 run $DSPARK train --kind dspark --head markov --name dspark-markov $BUDGET

@@ -1,96 +1,411 @@
-"""`dspark bench`: end-to-end speculative decoding benchmark (docs/architecture.md §2, §9), one run, same
-target and prompts (code and math, greedy) for every method:
-- batch 1 tokens/s: our engine with the drafter + scheduler ("dspark"), our plain decoding
-  (the same loop, no drafter), and transformers `generate` plain, with `assistant_model`
-  (a standalone draft LM folder, if given / shipped) and with `prompt_lookup_num_tokens`;
-- aggregate tokens/s at larger batches: dspark vs our plain batched decoding.
-Also τ and the per-step time breakdown (draft, schedule, verify, accept, prefill, other).
-Writes results/bench_e2e.json and results/bench_e2e.png. Tokens/s counts generated tokens
-(EOS stops a request) over wall time including prefill."""
+"""`dspark bench`: the end-to-end benchmark (architecture §2, §9): every method side by side in
+one run, on the same target and the same prompts (code, math, chat; greedy unless said).
+
+- batch 1 tokens/s: our engine with drafter + dspark scheduler ("dspark"), our plain decoding
+  (the same loop, no drafter), transformers `generate` plain (best of fp32 / bf16), with an
+  assistant (the best this project can give it: a standalone draft LM among the model's drafters,
+  else the target's own first layers, `assistant_early_exit`, best depth) and with prompt lookup;
+  llama.cpp (llama-cpp-python, an optional extra: scripts/install_llamacpp.sh) on the model's
+  Q4_1 GGUF, on a BF16 GGUF of the same weights, and with its prompt-lookup drafting;
+- batch 1 at T = 1 (sampled): dspark and plain;
+- closed-loop concurrency 1..32: aggregate and per-user tokens/s for dspark, plain, mtp1, fixed:7;
+- τ, the per-step time split of dspark at batch 1, the drafter's propose time per step, and the
+  goals of the speculation issue, met or not.
+Tokens/s counts generated tokens over wall time, prefill included. Writes
+results/bench_e2e_<model>.json and a PNG beside it."""
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
+import platform
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import torch
+from tqdm import tqdm
 
-from dspark.paths import DEMO_DRAFTERS, DEMO_TARGET, RESULTS
+from dspark import paths, wiring
 from dspark.runtime.sampling import SamplingParams
 
+POLICIES = ("dspark", "plain", "mtp1", "fixed:7")
 FALLBACK_PROMPTS = {
-    "code": ["def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n",
-             "class Stack:\n    def __init__(self):\n        self.items = []\n\n    def push(self, item):\n",
-             "def binary_search(items, target):\n    lo, hi = 0, len(items) - 1\n    while lo <= hi:\n"],
-    "math": ["Question: Tom has 3 apples and buys 5 more. How many apples does he have?\nAnswer:",
-             "Question: A train travels 60 km per hour for 3 hours. How far does it go?\nAnswer:",
-             "Question: What is 12 times 7 plus 5?\nAnswer:"],
+    "code": ["Write a Python function that checks whether a number is prime.",
+             "Write a Python class for a stack with push, pop and peek."],
+    "math": ["Tom has 3 apples and buys 5 more. Then he gives 2 to Ann. How many apples does he have?",
+             "A train travels 60 km per hour for 3 hours. How far does it go? Explain step by step."],
+    "chat": ["Give me three tips for writing clear emails.", "Explain what a hash table is to a beginner."],
 }
 
 
-def load_prompts(domains: list[str], n: int) -> tuple[list[str], str]:
-    """n prompt texts per domain from `dspark.tools.prompts` (fallback: a few built-in ones)."""
-    try:
-        from dspark.tools.prompts import load_prompt_set
+# ---------------------------------------------------------------- prompts
 
-        return [t for d in domains for t in load_prompt_set(d, n)], "dspark.tools.prompts"
-    except (ImportError, FileNotFoundError, ValueError):
-        return [t for d in domains for t in FALLBACK_PROMPTS.get(d, [])[:n]], "builtin"
+def load_prompts(model_key: str | None, domains: list[str], n: int, tokenizer) -> tuple[list[list[int]], str]:
+    """n prompts per domain: the model's held-out eval prompts (chat-formatted text, one JSON per
+    line with "domain" and "prompt"), else a few built-in questions in the ChatML template."""
+    path = paths.REPO_ROOT / "build" / (model_key or "") / "prompts" / "eval.jsonl"
+    texts: list[str] = []
+    if model_key and path.is_file():
+        rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+        for d in domains:
+            texts += [r["prompt"] for r in rows if r.get("domain") == d][:n]
+        source = paths.relative(path)
+    else:
+        for d in domains:
+            texts += [f"<|im_start|>user\n{q}<|im_end|>\n<|im_start|>assistant\n"
+                      for q in FALLBACK_PROMPTS.get(d, [])[:n]]
+        source = "builtin"
+    return [tokenizer.encode(t, add_special_tokens=False).ids for t in texts], source
 
 
-def find_draft_lm() -> Path | None:
-    """The shipped standalone draft LM: a drafter folder whose config.json is a plain HF
-    config (no "kind"; see dspark.runtime.drafter.load_drafter_folder)."""
-    for folder in sorted(DEMO_DRAFTERS.glob("*/")) if DEMO_DRAFTERS.is_dir() else []:
+# ---------------------------------------------------------------- our engine
+
+def run_closed_loop(engine, prompts: list[list[int]], concurrency: int, num_requests: int, max_tokens: int,
+                    params: SamplingParams) -> dict:
+    """`num_requests` requests (prompts in turn), `concurrency` in flight at all times (a new one
+    joins when one finishes). Aggregate = tokens / wall; per-user = mean of tokens / latency."""
+    engine.generate([prompts[0]], 4, params)  # warm-up (allocator, numba), not timed
+    engine.reset_metrics()
+    t0 = time.perf_counter()
+    start: dict[str, float] = {}
+    done: dict[str, float] = {}
+    reqs = []
+
+    def submit() -> None:
+        req = engine.add_request(prompts[len(reqs) % len(prompts)], max_tokens, params)
+        start[req.request_id] = time.perf_counter()
+        reqs.append(req)
+
+    while len(reqs) < min(concurrency, num_requests):
+        submit()
+    while engine.has_work():
+        engine.step()
+        for r in reqs:
+            if r.finished and r.request_id not in done:
+                done[r.request_id] = time.perf_counter()
+                if len(reqs) < num_requests:
+                    submit()
+    wall = time.perf_counter() - t0
+    m = engine.metrics
+    tokens = sum(len(r.output) for r in reqs)
+    steps = max(m.steps, 1)
+    latency = {r.request_id: done[r.request_id] - start[r.request_id] for r in reqs}
+    per_user = sum(len(r.output) / latency[r.request_id] for r in reqs) / len(reqs)
+    return {"aggregate": tokens / wall, "per_user": per_user,
+            "tokens": tokens, "wall_s": wall, "requests": len(reqs), "steps": m.steps,
+            "draft_steps": m.draft_steps,
+            "tau": sum(r.verify_emitted for r in reqs) / max(sum(r.verify_steps for r in reqs), 1),
+            "mean_verify_tokens_per_step": m.verify_tokens / steps, "drafter_fallbacks": m.drafter_fallbacks,
+            "step_ms": {k: 1e3 * v / steps for k, v in m.time_s.items()},
+            "propose_ms_by_requests": {str(r): 1e3 * s for r, s in (
+                engine.policy.draft_cost.to_dict().items() if engine.policy is not None else [])},
+            "outputs": [r.output for r in reqs]}
+
+
+def divergence(target, prompts: list[list[int]], plain: list[list[int]], spec: list[list[int]]) -> list[dict]:
+    """Where greedy speculative and plain outputs part (if they do), with the target's top-2 logit
+    gap there as a one-pass prefill computes it: in bf16 the logits of a token depend slightly on
+    the batch shape it was computed in, so outputs can part at (near-)ties of the top two."""
+    out = []
+    for i, (p, a, b) in enumerate(zip(prompts, plain, spec)):
+        j = next((k for k in range(min(len(a), len(b))) if a[k] != b[k]), None)
+        if j is None:
+            continue
+        slot = target.allocate()
+        try:
+            logits, _ = target.prefill([slot], [p + a[:j]])
+        finally:
+            target.release(slot)
+        top = logits[0].float().topk(2)
+        out.append({"prompt": i, "token": j, "plain": a[j], "speculative": b[j],
+                    "top2_logits": [round(float(v), 4) for v in top.values],
+                    "top2_ids": top.indices.tolist()})
+    return out
+
+
+def quick_sps(target, sizes: list[int], context: int = 128, repeats: int = 3):
+    """Steps/second of this target's verify at token batch B (requests of ≤ 4 tokens on a cached
+    context), fastest of `repeats`: the table the scheduler needs when the model ships none."""
+    from dspark.runtime.batch import RaggedBatch
+    from dspark.runtime.sps import SPSTable
+
+    best = {b: math.inf for b in sizes}
+    for _ in range(repeats):
+        for b in sizes:
+            r = min(math.ceil(b / 4), target.num_free_slots())
+            lens = [b // r + (1 if i < b % r else 0) for i in range(r)]
+            slots = [target.allocate() for _ in range(r)]
+            try:
+                target.prefill(slots, [[5] * context] * r)
+                batch = RaggedBatch.from_requests(slots, [[7] * n for n in lens], [context] * r)
+                t0 = time.perf_counter()
+                target.verify(batch)
+                best[b] = min(best[b], time.perf_counter() - t0)
+            finally:
+                for s in slots:
+                    target.release(s)
+    return SPSTable(sizes, [1.0 / best[b] for b in sizes], device=platform.processor() or "cpu",
+                    model="profiled by dspark bench")
+
+
+# ---------------------------------------------------------------- baselines
+
+def find_draft_lm(model_key: str | None) -> Path | None:
+    """A standalone draft LM among the model's drafters (a Hugging Face folder transformers can
+    load as `assistant_model`: config.json without "kind", or kind "draft_lm"), if one ships."""
+    root = wiring.DRAFTER_DIRS.get(model_key or "")
+    for folder in sorted(root.glob("*/")) if root is not None and root.is_dir() else []:
         cfg = folder / "config.json"
         if cfg.is_file() and json.loads(cfg.read_text()).get("kind", "draft_lm") == "draft_lm":
             return folder
     return None
 
 
-def best_of(repeats: int, fn, *args, **kwargs) -> dict:
-    """The fastest of `repeats` identical runs (greedy: same tokens every time). On a shared
-    machine other processes only ever add time, so the minimum is the method's own cost."""
-    return max((fn(*args, **kwargs) for _ in range(repeats)), key=lambda r: r["tokens_per_s"])
-
-
-def run_engine(target, drafter, policy, prompts: list[list[int]], batch: int, max_tokens: int,
-               sts_temperatures=None) -> dict:
-    """Run `prompts` through SpecEngine, `batch` requests at a time; tokens/s over the whole run."""
-    from dspark.runtime.engine import SpecEngine
-
-    engine = SpecEngine(target, drafter, policy if drafter is not None else None, sts_temperatures)
-    engine.generate([prompts[0]], 4)  # warm-up (allocator, kernels), not timed
-    engine.reset_metrics()
-    reqs, t0 = [], time.perf_counter()
-    for lo in range(0, len(prompts), batch):
-        reqs += [engine.add_request(p, max_tokens, SamplingParams()) for p in prompts[lo:lo + batch]]
-        engine.run_until_done()
-    wall = time.perf_counter() - t0
-    m = engine.metrics
-    tokens = sum(len(r.output) for r in reqs)
-    steps = max(m.steps, 1)
-    return {"tokens_per_s": tokens / wall, "tokens": tokens, "wall_s": wall, "requests": len(reqs),
-            "tau": sum(r.verify_emitted for r in reqs) / max(sum(r.verify_steps for r in reqs), 1),
-            "steps": m.steps, "mean_verify_tokens_per_step": m.verify_tokens / steps,
-            "mean_budget_per_step": m.verify_budget / steps, "drafter_fallbacks": m.drafter_fallbacks,
-            "cond_acceptance": [a / v if v else None for a, v in zip(m.accepted, m.verified)],
-            "step_ms": {k: 1e3 * v / steps for k, v in m.time_s.items()}}
-
-
 def run_hf(model, prompts: list[list[int]], max_tokens: int, eos: list[int], **gen_kwargs) -> dict:
     """transformers `generate` at batch 1, greedy, one prompt after another."""
-    model.generate(torch.tensor([prompts[0]]), max_new_tokens=4, do_sample=False, **gen_kwargs)  # warm-up
+    kw = dict(do_sample=False, top_p=None, top_k=None, temperature=None, eos_token_id=eos or None,
+              pad_token_id=eos[0] if eos else 0, **gen_kwargs)
+    model.generate(torch.tensor([prompts[0]]), max_new_tokens=4, **kw)  # warm-up
     tokens, t0 = 0, time.perf_counter()
     for p in prompts:
-        out = model.generate(torch.tensor([p]), max_new_tokens=max_tokens, do_sample=False, top_p=None,
-                             top_k=None, temperature=None, eos_token_id=eos or None,
-                             pad_token_id=eos[0] if eos else 0, **gen_kwargs)
+        out = model.generate(torch.tensor([p]), max_new_tokens=max_tokens, **kw)
         tokens += out.shape[1] - len(p)
     wall = time.perf_counter() - t0
     return {"tokens_per_s": tokens / wall, "tokens": tokens, "wall_s": wall}
+
+
+def hf_baselines(folder: Path, prompts, max_tokens: int, eos: list[int], gamma: int,
+                 draft_lm: Path | None) -> dict:
+    """transformers plain (fp32 and bf16), prompt lookup and assisted generation (best assistant)."""
+    import transformers
+
+    runs: dict[str, dict] = {}
+    for name, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
+        model = transformers.AutoModelForCausalLM.from_pretrained(str(folder), dtype=dtype).eval()
+        runs[f"hf_plain_{name}"] = run_hf(model, prompts, max_tokens, eos)
+        runs[f"hf_prompt_lookup_{name}"] = run_hf(model, prompts, max_tokens, eos,
+                                                  prompt_lookup_num_tokens=gamma)
+        if draft_lm is not None:
+            assistant = transformers.AutoModelForCausalLM.from_pretrained(str(draft_lm), dtype=dtype).eval()
+            runs[f"hf_assisted_{name}_draft_lm"] = run_hf(model, prompts, max_tokens, eos,
+                                                          assistant_model=assistant)
+        else:  # the target's own first layers as the assistant (no draft LM ships with this model)
+            for depth in (4, 8, 12):
+                runs[f"hf_assisted_{name}_early_exit{depth}"] = run_hf(model, prompts, max_tokens, eos,
+                                                                       assistant_early_exit=depth)
+    best = lambda prefix: max((v["tokens_per_s"], k) for k, v in runs.items() if k.startswith(prefix))
+    return {"runs": runs, **{k: best(k)[0] for k in ("hf_plain", "hf_prompt_lookup", "hf_assisted")},
+            "best": {k: best(k)[1] for k in ("hf_plain", "hf_prompt_lookup", "hf_assisted")}}
+
+
+def bf16_gguf(q4_1: Path, out: Path) -> Path:
+    """The same weights in a BF16 GGUF (every tensor dequantized from the Q4_1 file, metadata
+    copied), for llama.cpp's bf16 column. Written once into the git-ignored models cache."""
+    import gguf
+    import numpy as np
+
+    if out.is_file():
+        return out
+    reader = gguf.GGUFReader(str(q4_1))
+    arch = reader.fields["general.architecture"].contents()
+    writer = gguf.GGUFWriter(str(out), arch)
+    for field in reader.fields.values():
+        if field.name.startswith("GGUF.") or field.name in ("general.architecture", "general.file_type"):
+            continue
+        value = field.contents()
+        kind = field.types[0]
+        sub = field.types[-1] if kind == gguf.GGUFValueType.ARRAY else None
+        writer.add_key_value(field.name, value, kind, sub_type=sub)
+    writer.add_file_type(gguf.LlamaFileType.MOSTLY_BF16)
+    for t in reader.tensors:
+        data = gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float32)
+        if data.ndim >= 2:
+            writer.add_tensor(t.name, gguf.quants.quantize(data, gguf.GGMLQuantizationType.BF16),
+                              raw_dtype=gguf.GGMLQuantizationType.BF16)
+        else:
+            writer.add_tensor(t.name, data)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return out
+
+
+def llamacpp_baselines(gguf_q4: Path, prompts, max_tokens: int, eos: list[int], threads: int,
+                       gamma: int) -> dict:
+    """llama.cpp greedy at batch 1 on the Q4_1 GGUF, a BF16 GGUF of the same weights, and Q4_1 with
+    its prompt-lookup drafting. {} with a note when llama-cpp-python is not installed."""
+    try:
+        import llama_cpp
+        from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
+    except ImportError:
+        return {"note": "llama-cpp-python not installed (optional: scripts/install_llamacpp.sh)"}
+
+    def run(path: Path, draft=None) -> dict:
+        llm = llama_cpp.Llama(str(path), n_ctx=2048, n_threads=threads, n_batch=512, verbose=False,
+                              draft_model=draft, logits_all=draft is not None)
+
+        def one(p: list[int], n: int) -> int:
+            got = 0
+            for tok in llm.generate(p, temp=0.0, top_k=1, reset=True):
+                got += 1
+                if tok in eos or got >= n:
+                    break
+            return got
+
+        one(prompts[0], 4)  # warm-up
+        tokens, t0 = 0, time.perf_counter()
+        for p in prompts:
+            tokens += one(p, max_tokens)
+        wall = time.perf_counter() - t0
+        return {"tokens_per_s": tokens / wall, "tokens": tokens, "wall_s": wall, "gguf": paths.relative(path)}
+
+    runs = {"llamacpp_q4_1": run(gguf_q4),
+            "llamacpp_bf16": run(bf16_gguf(gguf_q4, gguf_q4.with_name(gguf_q4.stem.replace("Q4_1", "BF16")
+                                                                      + ".gguf"))),
+            "llamacpp_prompt_lookup": run(gguf_q4, LlamaPromptLookupDecoding(num_pred_tokens=gamma))}
+    runs["version"] = llama_cpp.__version__
+    return runs
+
+
+# ---------------------------------------------------------------- the run
+
+def goals(result: dict) -> dict:
+    """The speculation issue's goals on this run's numbers."""
+    b1 = result["batch1_tokens_per_s"]
+    hf = [b1[k] for k in ("hf_plain", "hf_assisted", "hf_prompt_lookup") if b1.get(k)]
+    lc = [b1[k] for k in ("llamacpp_q4_1", "llamacpp_bf16", "llamacpp_prompt_lookup") if b1.get(k)]
+    never_slower = {c: row["dspark"]["aggregate"] / max(row[p]["aggregate"] for p in row if p != "dspark")
+                    for c, row in result["by_concurrency"].items()}
+    per_user = [row["dspark"]["per_user"] / row["mtp1"]["per_user"]
+                for row in result["by_concurrency"].values() if "mtp1" in row]
+    out = {"batch1_vs_plain": b1["dspark"] / b1["plain"], "batch1_vs_best_transformers":
+           b1["dspark"] / max(hf) if hf else None, "aggregate_vs_best_other_by_concurrency": never_slower,
+           "best_per_user_vs_mtp1": max(per_user) if per_user else None,
+           "batch1_vs_best_llamacpp": b1["dspark"] / max(lc) if lc else None,
+           "propose_share_of_plain_step_batch1": result["propose_share_of_plain_step_batch1"]}
+    out["met"] = {"batch1_2x_plain": out["batch1_vs_plain"] >= 2.0,
+                  "batch1_1.5x_transformers": None if not hf else out["batch1_vs_best_transformers"] >= 1.5,
+                  "never_slower_0.98": min(never_slower.values()) >= 0.98,
+                  "per_user_1.5x_mtp1": None if not per_user else max(per_user) >= 1.5,
+                  "moonshot_llamacpp": None if not lc else out["batch1_vs_best_llamacpp"] >= 1.0,
+                  "propose_le_15pct": None if out["propose_share_of_plain_step_batch1"] is None
+                  else out["propose_share_of_plain_step_batch1"] <= 0.15}
+    return out
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    wiring.add_arguments(p, capacity=32, max_seq_len=1024)
+    p.add_argument("--domains", default="code,math,chat")
+    p.add_argument("--n-prompts", type=int, default=2, help="prompts per domain")
+    p.add_argument("--max-tokens", type=int, default=128, help="new tokens per request")
+    p.add_argument("--concurrency", default="1,2,4,8,16,32", help="closed-loop concurrencies")
+    p.add_argument("--no-hf", action="store_true", help="skip the transformers baselines")
+    p.add_argument("--no-llamacpp", action="store_true", help="skip the llama.cpp baselines")
+    p.add_argument("--no-t1", action="store_true", help="skip the T = 1 runs")
+    p.add_argument("--out", default=None, help="default: results/bench_e2e_<model>.json")
+
+
+def main(args: argparse.Namespace) -> int:
+    spec = wiring.from_args(args)
+    if spec.num_threads > 0:
+        torch.set_num_threads(spec.num_threads)
+    concurrency = [int(c) for c in args.concurrency.split(",") if c]
+    spec = replace(spec, capacity=max(spec.capacity, *concurrency))
+    target = wiring.load_target(spec)
+    drafter = wiring.load_drafter(spec, target)
+    if drafter is None:
+        raise SystemExit(f"dspark bench: no drafter for model {spec.model!r} (drafter {spec.drafter!r}); "
+                         "train one or pass --drafter ngram / a folder")
+    prompts, prompt_source = load_prompts(spec.model_key, args.domains.split(","), args.n_prompts,
+                                          target.tokenizer)
+    prompts = [p[-(spec.max_seq_len - args.max_tokens - spec.gamma - 2):] for p in prompts]
+    shipped = wiring.SPS_TABLES.get(spec.model_key or "")
+    sps_source = spec.sps
+    if spec.sps == "profile" or (spec.sps == "auto" and target.device.type == "cpu"
+                                 and not (shipped is not None and shipped.is_file())):
+        # the scheduler must see THIS machine's step cost: measure the buckets this run uses
+        b_max = max(concurrency) * (spec.gamma + 1)
+        sizes = sorted({b for b in (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256)
+                        if b <= b_max} | {b_max})
+        sps_path = paths.MODELS / ".cache" / f"sps_bench_{spec.model_key or 'model'}.json"
+        quick_sps(target, sizes).save(sps_path)
+        spec, sps_source = replace(spec, sps=str(sps_path)), "profiled now by dspark bench"
+    sps_table = wiring.load_sps(spec, target.device)
+    engine = lambda policy, d=drafter: wiring.build_engine(
+        replace(spec, policy=policy), target=target, drafter=None if policy == "plain" else d)
+    greedy, t1 = SamplingParams(), SamplingParams(temperature=1.0, seed=0)
+    n_b1 = len(prompts)
+    runs: dict[str, dict] = {}
+    jobs = [("batch1_dspark", "dspark", 1, greedy), ("batch1_plain", "plain", 1, greedy)]
+    if not args.no_t1:
+        jobs += [("batch1_T1_dspark", "dspark", 1, t1), ("batch1_T1_plain", "plain", 1, t1)]
+    jobs += [(f"c{c}_{p}", p, c, greedy) for c in concurrency for p in POLICIES]
+    for name, policy, c, params in tqdm(jobs, desc="dspark bench", unit="run"):
+        runs[name] = run_closed_loop(engine(policy), prompts, c, max(c, n_b1), args.max_tokens, params)
+    same = runs["batch1_dspark"]["outputs"] == runs["batch1_plain"]["outputs"]
+    parted = divergence(target, prompts, runs["batch1_plain"]["outputs"], runs["batch1_dspark"]["outputs"])
+    batch1 = {"dspark": runs["batch1_dspark"]["aggregate"], "plain": runs["batch1_plain"]["aggregate"],
+              "hf_plain": None, "hf_assisted": None, "hf_prompt_lookup": None,
+              "llamacpp_q4_1": None, "llamacpp_bf16": None, "llamacpp_prompt_lookup": None}
+    eos = list(target.eos_token_ids)
+    baselines: dict[str, dict] = {}
+    if not args.no_hf:
+        baselines["transformers"] = hf_baselines(wiring.model_folder(spec.model), prompts, args.max_tokens,
+                                                 eos, spec.gamma, find_draft_lm(spec.model_key))
+        for k in ("hf_plain", "hf_assisted", "hf_prompt_lookup"):
+            batch1[k] = baselines["transformers"][k]
+    gguf_q4 = paths.MODELS / ".cache" / "SmolLM2-135M-Instruct.Q4_1.gguf"
+    if not args.no_llamacpp and spec.model_key == "smollm2" and gguf_q4.is_file():
+        baselines["llamacpp"] = llamacpp_baselines(gguf_q4, prompts, args.max_tokens, eos,
+                                                   spec.num_threads or torch.get_num_threads(), spec.gamma)
+        for k in ("llamacpp_q4_1", "llamacpp_bf16", "llamacpp_prompt_lookup"):
+            batch1[k] = baselines["llamacpp"].get(k, {}).get("tokens_per_s")
+    propose = runs["c1_dspark"]["propose_ms_by_requests"].get("1")
+    plain_step = runs["c1_plain"]["step_ms"]["verify"]
+    result = {
+        "batch1_tokens_per_s": batch1,
+        "batch1_tokens_per_s_T1": None if args.no_t1 else {
+            "dspark": runs["batch1_T1_dspark"]["aggregate"], "plain": runs["batch1_T1_plain"]["aggregate"]},
+        "tau": runs["batch1_dspark"]["tau"],
+        "by_concurrency": {str(c): {p: {"aggregate": runs[f"c{c}_{p}"]["aggregate"],
+                                        "per_user": runs[f"c{c}_{p}"]["per_user"]} for p in POLICIES}
+                           for c in concurrency},
+        "step_ms": {k: runs["batch1_dspark"]["step_ms"][k]
+                    for k in ("draft", "schedule", "verify", "accept")},
+        "propose_ms_by_requests": {c: runs[f"c{c}_dspark"]["propose_ms_by_requests"].get(str(c))
+                                   for c in map(str, concurrency)},
+        "plain_step_ms_batch1": plain_step,
+        "propose_share_of_plain_step_batch1": None if propose is None else propose / plain_step,
+        "greedy_dspark_equals_plain_batch1": same,
+        "greedy_divergence_batch1": parted,
+        "runs": {k: {kk: vv for kk, vv in v.items() if kk != "outputs"} for k, v in runs.items()},
+        "baselines": baselines,
+        "config": {"model": spec.model, "dtype": str(target.dtype).replace("torch.", ""),
+                   "drafter": spec.drafter, "gamma": spec.gamma, "sps": sps_source,
+                   "sps_table": sps_table.to_dict(),
+                   "prompts": prompt_source, "domains": args.domains, "num_prompts": n_b1,
+                   "max_tokens": args.max_tokens, "device": str(target.device),
+                   "threads": torch.get_num_threads(),
+                   "torch": torch.__version__, "load_avg_1min": _load_avg()},
+    }
+    result["goals"] = goals(result)
+    out = Path(args.out) if args.out else paths.RESULTS / f"bench_e2e_{spec.model_key or 'model'}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=1) + "\n")
+    plot(result, out.with_suffix(".png"))
+    print(json.dumps({k: result[k] for k in ("batch1_tokens_per_s", "tau", "step_ms", "goals")}, indent=1))
+    print(f"wrote {paths.relative(out)} and its .png")
+    return 0
+
+
+def _load_avg() -> float | None:
+    try:
+        return float(Path("/proc/loadavg").read_text().split()[0])
+    except OSError:
+        return None
 
 
 def plot(result: dict, path: Path) -> None:
@@ -99,116 +414,23 @@ def plot(result: dict, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.2))
     b1 = {k: v for k, v in result["batch1_tokens_per_s"].items() if v is not None}
     ax1.bar(list(b1), list(b1.values()), color=["C3" if k == "dspark" else "C0" for k in b1])
-    ax1.set(ylabel="tokens/s (batch 1)", title="per-user speed, batch 1")
-    ax1.tick_params(axis="x", rotation=20)
-    agg = result["aggregate_tokens_per_s"]
-    xs = list(agg)
-    for i, name in enumerate(("plain", "dspark")):
-        ax2.bar([j + 0.4 * i for j in range(len(xs))], [agg[b][name] for b in xs], 0.4, label=name,
-                color="C3" if name == "dspark" else "C0")
-    ax2.set_xticks([j + 0.2 for j in range(len(xs))], [f"batch {b}" for b in xs])
-    ax2.set(ylabel="aggregate tokens/s", title="aggregate throughput")
-    ax2.legend()
-    fig.suptitle(f"{result['config']['drafter']} + {result['config']['policy']} "
-                 f"on {result['config']['device']}", fontsize=9)
+    ax1.set(ylabel="tokens/s", title="batch 1, greedy")
+    ax1.tick_params(axis="x", rotation=30, labelsize=7)
+    for i, policy in enumerate(POLICIES):
+        rows = result["by_concurrency"]
+        xs = [rows[c][policy]["aggregate"] for c in rows]
+        ys = [rows[c][policy]["per_user"] for c in rows]
+        ax2.plot(xs, ys, marker="o", color=f"C{3 if policy == 'dspark' else i}", label=policy)
+        for c, x, y in zip(rows, xs, ys):
+            ax2.annotate(c, (x, y), fontsize=6)
+    ax2.set(xlabel="aggregate tokens/s", ylabel="per-user tokens/s", title="closed-loop concurrency 1..32")
+    ax2.legend(fontsize=8)
+    cfg = result["config"]
+    fig.suptitle(f"{cfg['model']} ({cfg['dtype']}), drafter {cfg['drafter']}, γ {cfg['gamma']}, "
+                 f"{cfg['threads']} threads", fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
-
-
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--target", default=str(DEMO_TARGET), help="target HF folder (default: the demo target)")
-    p.add_argument("--drafter", default="ngram", help="ngram[:N], a drafter name under build/demo/drafters "
-                   "or a folder")
-    p.add_argument("--policy", default="dspark", help="scheduler policy (dspark needs an SPS table)")
-    p.add_argument("--gamma", type=int, default=7)
-    p.add_argument("--sps", default="profile", help="sps.json, 'gpu' (synthetic GPU-shaped table) or "
-                   "'profile' (measure this target now, a few buckets; the default)")
-    p.add_argument("--domains", default="code,math")
-    p.add_argument("--n-prompts", type=int, default=4, help="prompts per domain")
-    p.add_argument("--max-tokens", type=int, default=64)
-    p.add_argument("--max-prompt-tokens", type=int, default=256)
-    p.add_argument("--batch-sizes", default="8,32", help="aggregate throughput batch sizes")
-    p.add_argument("--assistant", default=None, help="standalone draft LM folder for hf_assisted "
-                   "(default: the shipped one under build/demo/drafters, if any)")
-    p.add_argument("--no-hf", action="store_true", help="skip the transformers baselines")
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--threads", type=int, default=1)
-    p.add_argument("--repeats", type=int, default=2, help="runs per method; the fastest is reported")
-    p.add_argument("--out", default=str(RESULTS / "bench_e2e.json"))
-
-
-def main(args: argparse.Namespace) -> int:
-    from dspark.runtime.drafter import build_drafter
-    from dspark.runtime.scheduler import make_policy
-    from dspark.runtime.sps import SPSTable
-    from dspark.runtime.target import TargetEngine
-
-    torch.set_num_threads(args.threads)
-    batch_sizes = [int(b) for b in args.batch_sizes.split(",") if b]
-    max_batch = max(batch_sizes + [1])
-    if args.sps == "profile" and args.device == "cpu":  # the scheduler must see THIS machine's step cost
-        from dspark.bench.sps import profile
-
-        sizes = [b for b in (1, 2, 4, 8, 16, 32, 64, 128, 256, 512) if b <= 2 * max_batch * (args.gamma + 1)]
-        sps = profile(args.target, sizes, context=64, repeats=3, show_progress=False)
-    else:
-        sps = SPSTable.gpu_shaped() if args.sps in ("gpu", "profile") else SPSTable.load(args.sps)
-    texts, prompt_source = load_prompts(args.domains.split(","), args.n_prompts)
-    max_seq_len = args.max_prompt_tokens + args.max_tokens + args.gamma + 8
-    target = TargetEngine.from_pretrained(args.target, capacity=max_batch,
-                                          max_seq_len=max_seq_len, device=args.device)
-    prompts = [target.tokenizer.encode(t).ids[-args.max_prompt_tokens:] or [0] for t in texts]
-    drafter, folder = build_drafter(args.drafter, target, args.gamma)  # ngram[:N], name or folder
-    gamma = drafter.gamma
-    policy = lambda: make_policy(args.policy, sps=sps, gamma=gamma, max_batch_tokens=4096)
-    runs: dict[str, dict] = {}
-    rep, mt = args.repeats, args.max_tokens
-    runs["batch1_plain"] = best_of(rep, run_engine, target, None, None, prompts, 1, mt)
-    runs["batch1_dspark"] = best_of(rep, run_engine, target, drafter, policy(), prompts, 1, mt)
-    batch1 = {"dspark": runs["batch1_dspark"]["tokens_per_s"], "plain": runs["batch1_plain"]["tokens_per_s"],
-              "hf_plain": None, "hf_assisted": None, "hf_prompt_lookup": None}
-    if not args.no_hf:
-        import transformers
-
-        load = lambda path: transformers.AutoModelForCausalLM.from_pretrained(
-            str(path), dtype=torch.float32).to(args.device).eval()
-        hf = load(args.target)
-        eos = list(target.eos_token_ids)
-        runs["hf_plain"] = best_of(rep, run_hf, hf, prompts, mt, eos)
-        runs["hf_prompt_lookup"] = best_of(rep, run_hf, hf, prompts, mt, eos,
-                                           prompt_lookup_num_tokens=gamma)
-        assistant = Path(args.assistant) if args.assistant else find_draft_lm()
-        if assistant is not None and (assistant / "config.json").is_file():
-            runs["hf_assisted"] = best_of(rep, run_hf, hf, prompts, mt, eos,
-                                          assistant_model=load(assistant))
-        for k in ("hf_plain", "hf_assisted", "hf_prompt_lookup"):
-            batch1[k] = runs.get(k, {}).get("tokens_per_s")
-    aggregate = {}
-    for b in batch_sizes:
-        batch_prompts = (prompts * (b // len(prompts) + 1))[:b]
-        bp = batch_prompts
-        runs[f"batch{b}_plain"] = best_of(rep, run_engine, target, None, None, bp, b, mt)
-        runs[f"batch{b}_dspark"] = best_of(rep, run_engine, target, drafter, policy(), bp, b, mt)
-        aggregate[str(b)] = {"dspark": runs[f"batch{b}_dspark"]["tokens_per_s"],
-                             "plain": runs[f"batch{b}_plain"]["tokens_per_s"]}
-    result = {"batch1_tokens_per_s": batch1, "aggregate_tokens_per_s": aggregate,
-              "tau": {k: v["tau"] for k, v in runs.items() if k.endswith("_dspark")},
-              "step_time_ms": {k: v["step_ms"] for k, v in runs.items() if "step_ms" in v},
-              "runs": runs,
-              "config": {"target": str(args.target), "drafter": args.drafter, "policy": args.policy,
-                         "gamma": gamma, "sps": args.sps, "sps_table": sps.to_dict(),
-                         "prompts": prompt_source, "domains": args.domains, "num_prompts": len(prompts),
-                         "max_tokens": args.max_tokens, "greedy": True, "device": args.device,
-                         "threads": args.threads, "repeats": args.repeats, "torch": torch.__version__}}
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=1) + "\n")
-    plot(result, out.with_suffix(".png"))
-    summary = {k: result[k] for k in ("batch1_tokens_per_s", "aggregate_tokens_per_s", "tau")}
-    print(json.dumps(summary, indent=1))
-    print(f"wrote {out} and {out.with_suffix('.png')}")
-    return 0

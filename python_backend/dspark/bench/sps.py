@@ -7,22 +7,28 @@ the slots are rolled back, so every repeat sees the same context lengths. Repeat
 rounds over all sizes and the fastest is kept per size (on a shared machine, other
 processes only ever add time). Writes
 sps.json (device, model, batch_tokens, steps_per_second) and a PNG of SPS and step time.
-Without `--target` and without the demo target, a random Qwen3 checkpoint (hidden 384,
-6 layers, vocab 8192) is created under /tmp and profiled; `model` in the JSON says so.
+`--model` (default smollm2, in `--dtype auto`: what the server runs) goes through
+`dspark.wiring` like every entry point; the default output is the table wiring looks up for
+that model (results/sps_smollm2_cpu.json, results/sps_cpu.json for demo). `--model random`
+profiles a random Qwen3 checkpoint (hidden 384, 6 layers, vocab 8192) created under /tmp.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import math
+import os
 import platform
+import sys
 import time
 from pathlib import Path
 
 import torch
 from tqdm import tqdm
 
-from dspark.paths import DEMO_TARGET, RESULTS
+from dspark import paths, wiring
+from dspark.paths import RESULTS
 from dspark.runtime.batch import RaggedBatch
 from dspark.runtime.sps import SPSTable
 
@@ -53,15 +59,16 @@ def split_tokens(batch_tokens: int, tokens_per_request: int) -> list[int]:
 
 
 def profile(target_path: str | Path, sizes: list[int], context: int = 256, tokens_per_request: int = 4,
-            repeats: int = 5, warmup: int = 1, seed: int = 0, show_progress: bool = True) -> SPSTable:
+            repeats: int = 5, warmup: int = 1, seed: int = 0, show_progress: bool = True,
+            dtype: str = "auto") -> SPSTable:
     """Fastest of `repeats` verify() wall times per B -> SPSTable (on a shared machine other
-    processes only ever add time, so the minimum is the step's own cost)."""
-    from dspark.runtime.target import TargetEngine
-
+    processes only ever add time, so the minimum is the step's own cost). `target_path`: a
+    model name or folder, loaded through `dspark.wiring` in `dtype` (auto, fp32, bf16, q4_1)."""
     max_requests = max(len(split_tokens(b, tokens_per_request)) for b in sizes)
     longest = max(max(split_tokens(b, tokens_per_request)) for b in sizes)
-    engine = TargetEngine.from_pretrained(target_path, capacity=max_requests,
-                                          max_seq_len=context + longest + 8)
+    spec = wiring.resolve(env={}, model=str(target_path), dtype=dtype, device="cpu", capacity=max_requests,
+                          max_seq_len=context + longest + 8, num_threads=torch.get_num_threads())
+    engine = wiring.load_target(spec)
     gen = torch.Generator().manual_seed(seed)
     slots = [engine.allocate() for _ in range(max_requests)]
     for start in range(0, max_requests, 16):  # cache a context in every slot, 16 prompts at a time
@@ -86,8 +93,10 @@ def profile(target_path: str | Path, sizes: list[int], context: int = 256, token
             if round_no >= warmup:
                 best[i] = min(best[i], elapsed)
     speeds = [1.0 / t for t in best]
-    device = f"cpu:{platform.processor() or platform.machine()} threads={torch.get_num_threads()}"
-    return SPSTable(sizes, speeds, device=device, model=str(target_path))
+    dtype_name = spec.dtype if spec.dtype != "auto" else str(engine.dtype).removeprefix("torch.")
+    cpu = platform.processor() or platform.machine()
+    device = f"cpu:{cpu} threads={torch.get_num_threads()} dtype={dtype_name}"
+    return SPSTable(sizes, speeds, device=device, model=paths.relative(target_path))
 
 
 def plot(tables: dict[str, SPSTable], out_png: str | Path) -> None:
@@ -114,30 +123,46 @@ def plot(tables: dict[str, SPSTable], out_png: str | Path) -> None:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--target", default=None,
-                   help=f"HF checkpoint folder (default: {DEMO_TARGET} if present, else a random Qwen3)")
+    p.add_argument("--model", default="smollm2",
+                   help="smollm2 (default), demo, random (a random Qwen3 under /tmp) or an HF folder")
+    p.add_argument("--target", default=None, help="same as --model (older spelling)")
+    p.add_argument("--dtype", default="auto", help="auto (what the server runs), fp32, bf16, q4_1")
     p.add_argument("--sizes", default=",".join(map(str, DEFAULT_SIZES)), help="comma-separated B values")
     p.add_argument("--context", type=int, default=256, help="cached tokens per request")
     p.add_argument("--tokens-per-request", type=int, default=4, help="new tokens per request (1 + ℓ)")
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--threads", type=int, default=1, help="torch CPU threads")
-    p.add_argument("--out", default=str(RESULTS / "sps_cpu.json"))
+    p.add_argument("--out", default=None, help="default: the table dspark.wiring reads for this model")
     p.add_argument("--plot", default=None, help="PNG path (default: --out with .png)")
 
 
 def main(args: argparse.Namespace) -> int:
     torch.set_num_threads(args.threads)
-    target = args.target
-    if target is None:
-        target = DEMO_TARGET if (Path(DEMO_TARGET) / "config.json").is_file() else make_random_target()
+    target = args.target or args.model
+    if target == "random":
+        target = make_random_target()
+    key = wiring.Spec(model=str(target)).model_key
+    out = args.out or str(wiring.SPS_TABLES.get(key or "", RESULTS / "sps_cpu.json"))
     sizes = sorted({int(s) for s in args.sizes.split(",") if s.strip()})
-    table = profile(target, sizes, args.context, args.tokens_per_request, args.repeats, args.warmup)
+    try:
+        table = profile(target, sizes, args.context, args.tokens_per_request, args.repeats, args.warmup,
+                        dtype=args.dtype)
+    except (ValueError, FileNotFoundError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     if Path(target) == RANDOM_TARGET:
         table.model = f"random Qwen3 (hidden 384, 6 layers, vocab 8192) at {target}"
-    table.save(args.out)
-    plot({f"{table.device}": table}, args.plot or str(Path(args.out).with_suffix(".png")))
+    elif key is not None:
+        table.model = key  # a repo-relative name, not this machine's path
+    table.save(out)
+    record = json.loads(Path(out).read_text())  # the table plus how it was measured
+    record.update({"context": args.context, "tokens_per_request": args.tokens_per_request,
+                   "repeats": args.repeats, "torch": torch.__version__,
+                   "load_average_1min": round(os.getloadavg()[0], 2)})
+    Path(out).write_text(json.dumps(record, indent=2) + "\n")
+    plot({f"{table.device}": table}, args.plot or str(Path(out).with_suffix(".png")))
     for b, s in zip(table.batch_tokens, table.steps_per_second):
         print(f"B={b:5d}  {s:9.2f} steps/s  {1e3 / s:8.2f} ms")
-    print(f"wrote {args.out}")
+    print(f"wrote {out}")
     return 0

@@ -1,12 +1,17 @@
-"""The speculative engine loop (docs/architecture.md §2): continuous batching over a `TargetLike` and an
-optional `DrafterLike`. One implementation serves the CLI, benchmarks, `dspark eval` and
-the Triton BLS model (which runs `step()` in a background thread with remote stubs), so
-nothing here knows about transports. With no drafter, or policy `none`, it is plain
-decoding through the same loop (ℓ = 0 for every request).
+"""The speculative engine loop (architecture §2): continuous batching over a `TargetLike` and an
+optional `DrafterLike`. One implementation serves the CLI, benchmarks, `dspark eval` and the
+Triton `dspark` model (which runs `step()` in a background thread), so nothing here knows about
+transports. With no drafter, or policy `none`, it is plain decoding through the same loop
+(ℓ = 0 for every request).
 
-Per step: cancel → admit (prefill) → propose → STS survival → policy.decide → flatten
-[x0, d_1..d_ℓ] per request → target.verify → verify_ragged → roll KV back to the accepted
-length → drafter.extend with the taps of [x0, accepted drafts] → emit / finish / release."""
+Per step: cancel → admit (prefill) → drafts (proposed at the end of the previous step) → STS
+survival → policy.decide → flatten [x0, d_1..d_ℓ] per request → draft_probs of the verified
+sampled rows → target.verify → verify_ragged → drafter.extend with the taps of [x0, accepted]
+→ propose the NEXT step's drafts → one host sync → roll the KV back, emit / finish / release.
+
+Device-first: drafts, confidences, logits, acceptance and the next step's drafts stay on the
+target's device; the host waits once per step, for (accepted counts, tokens, next survivals)
+together. Steps that admit new requests also wait for their first token and first drafts."""
 
 from __future__ import annotations
 
@@ -21,8 +26,16 @@ import torch
 
 from dspark.runtime.batch import RaggedBatch
 from dspark.runtime.interfaces import DraftBlock, DrafterLike, TargetLike
-from dspark.runtime.sampling import SamplingParams, param_tensors, sample, sampling_probs
-from dspark.runtime.scheduler import make_policy, sts_survival
+from dspark.runtime.sampling import (
+    STREAM_DRAFT,
+    STREAM_FIRST,
+    STREAM_VERIFY,
+    SamplingBatch,
+    SamplingParams,
+    philox_uniforms,
+    sample_inverse_cdf,
+)
+from dspark.runtime.scheduler import Policy, make_policy, sts_survival
 from dspark.runtime.sps import SPSTable
 from dspark.runtime.verify import verify_ragged
 
@@ -45,7 +58,7 @@ class Request:
     slot: int = -1
     notified: bool = False  # the final on_tokens call has been made
     drafting: bool = True  # False once the drafter failed for this request (its context is stale)
-    generator: torch.Generator | None = None
+    rng_key: int = 0  # Philox key: the uniforms of step s are philox(rng_key, s, stream)
     verify_steps: int = 0
     verify_emitted: int = 0  # tokens emitted by verify steps (the prefill token excluded)
     drafted: list[int] = field(default_factory=list)  # per draft position k: times proposed
@@ -65,6 +78,7 @@ class Request:
 @dataclass
 class EngineMetrics:
     steps: int = 0
+    draft_steps: int = 0  # steps that drafted (the rest were plain: no drafter, or skipped by the policy)
     verify_tokens: int = 0  # Σ N over steps (token batch sizes)
     verify_budget: int = 0  # Σ_steps Σ_r ℓ_r (the K the policy spent)
     last_budget: int = 0
@@ -83,6 +97,25 @@ class EngineMetrics:
         return d
 
 
+@dataclass
+class _Drafts:
+    """Drafts proposed at the end of a step for the next one: request id -> row."""
+
+    rows: dict[str, int]
+    tokens: torch.Tensor  # [M, γ] i64 (device)
+    survival: torch.Tensor  # [M, γ] f32 (host, arrives with the step's one sync)
+
+
+def _to_host(*tensors: torch.Tensor | None) -> list[torch.Tensor | None]:
+    """Copy device tensors to the host with ONE wait (non-blocking copies, then a stream sync)."""
+    cuda = [t for t in tensors if t is not None and t.is_cuda]
+    if not cuda:
+        return list(tensors)
+    out = [None if t is None else t.to("cpu", non_blocking=True) for t in tensors]
+    torch.cuda.current_stream(cuda[0].device).synchronize()
+    return out
+
+
 class SpecEngine:
     def __init__(self, target: TargetLike, drafter: DrafterLike | None = None, policy=None,
                  sts_temperatures: Sequence[float] | None = None, max_batch_tokens: int = 4096,
@@ -96,12 +129,14 @@ class SpecEngine:
         if isinstance(policy, str):
             policy = make_policy(policy, sps=sps, gamma=self.gamma, max_batch_tokens=max_batch_tokens)
         plain = drafter is None or policy is None or getattr(policy, "name", "") == "none"
-        self.policy = None if plain else policy  # None: plain decoding, the drafter is never called
+        self.policy: Policy | None = None if plain else policy  # None: plain decoding, no drafter calls
         self.max_batch_tokens = max_batch_tokens
+        self.device = torch.device(getattr(target, "device", "cpu"))
         if sts_temperatures is None:
             sts_temperatures = getattr(drafter, "sts_temperatures", None)
         temps = list(sts_temperatures or [])[:self.gamma]
-        self.sts_temperatures = torch.tensor(temps + [1.0] * (self.gamma - len(temps)), dtype=torch.float32)
+        self.sts_temperatures = torch.tensor(temps + [1.0] * (self.gamma - len(temps)), dtype=torch.float32,
+                                             device=self.device)
         self.default_stop_ids = frozenset(getattr(target, "eos_token_ids", None) or ())
         self.reset_metrics()
         self._lock = threading.Lock()  # guards _waiting and _cancel (add/cancel come from any thread)
@@ -110,6 +145,8 @@ class SpecEngine:
         self._cancel: set[str] = set()
         self._active: dict[str, Request] = {}  # touched by the stepping thread only
         self._ids = itertools.count()
+        self._next: _Drafts | None = None  # drafts proposed at the end of the last step
+        self._draft_next: bool | None = None  # the policy's draft/skip choice for the next step
 
     def reset_metrics(self) -> None:
         g = self.gamma
@@ -129,7 +166,7 @@ class SpecEngine:
         req = Request(request_id if request_id is not None else f"req-{next(self._ids)}", list(prompt),
                       int(max_tokens), params,
                       frozenset(self.default_stop_ids if stop_token_ids is None else stop_token_ids),
-                      on_tokens, generator=params.generator(),
+                      on_tokens, rng_key=params.rng_key(),
                       drafted=[0] * self.gamma, verified=[0] * self.gamma, accepted=[0] * self.gamma)
         with self._lock:
             self._waiting.append(req)
@@ -152,7 +189,7 @@ class SpecEngine:
 
     # ---- the loop ----
     def step(self) -> None:
-        """One engine step for every active request (docs/architecture.md §2)."""
+        """One engine step for every active request (architecture §2)."""
         t_start = time.perf_counter()
         clock = {k: 0.0 for k in TIMERS}
         self._apply_cancellations()
@@ -162,6 +199,8 @@ class SpecEngine:
         reqs = [r for r in self._active.values() if not r.finished]
         if reqs:
             self._decode(reqs, clock)
+        else:
+            self._next = None
         for req in list(self._active.values()):
             if req.finished:
                 self._release(req)
@@ -170,58 +209,92 @@ class SpecEngine:
             self.metrics.time_s[k] += v
 
     def _decode(self, reqs: list[Request], clock: dict[str, float]) -> None:
-        R, g, t = len(reqs), self.gamma, time.perf_counter()
-        anchors = torch.tensor([r.output[-1] for r in reqs], dtype=torch.int64)
-        remaining = torch.tensor([self._remaining(r) for r in reqs], dtype=torch.int64)
-        block = self._propose(reqs, anchors) if self.policy is not None else None
+        R, g, dev, t = len(reqs), self.gamma, self.device, time.perf_counter()
+        sampling = SamplingBatch.from_params([r.params for r in reqs], dev)
+        keys = torch.tensor([r.rng_key for r in reqs], dtype=torch.int64).to(dev)
+        counters = torch.tensor([r.verify_steps for r in reqs], dtype=torch.int64).to(dev)
+        anchors = torch.tensor([r.output[-1] for r in reqs], dtype=torch.int64).to(dev)
+        drafts, survival = self._drafts(reqs, anchors, keys, counters)
         clock["draft"] += time.perf_counter() - t
-        t = time.perf_counter()
-        if block is not None:
-            survival = sts_survival(block.conf_logits, self.sts_temperatures)
-            survival = survival * torch.tensor([r.drafting for r in reqs])[:, None]  # failed drafters: ℓ = 0
-            ells = self.policy.decide(survival, remaining).to(torch.int64)
+
+        t = time.perf_counter()  # schedule (host): ℓ, then the flat batch [x0, d_1..d_ℓ] per request
+        remaining = torch.tensor([self._remaining(r) for r in reqs], dtype=torch.int64)
+        ells = torch.zeros(R, dtype=torch.int64)
+        if survival is not None:
+            ells = self._parts()[1].decide(survival, remaining).to(torch.int64)
             ells = torch.minimum(ells.clamp(0, g), (remaining - 1).clamp(min=0))  # architecture §7 caps
-        else:
-            block = DraftBlock(torch.zeros(R, max(g, 1), dtype=torch.int64), None, torch.zeros(R, max(g, 1)))
-            ells = torch.zeros(R, dtype=torch.int64)
-        ell = ells.tolist()
-        starts = [self.target.length(r.slot) for r in reqs]
-        drafts = block.tokens.tolist()
-        new_tokens = [[r.output[-1]] + drafts[i][:ell[i]] for i, r in enumerate(reqs)]
-        batch = RaggedBatch.from_requests([r.slot for r in reqs], new_tokens, starts)
+            ells = ells * torch.tensor([r.drafting for r in reqs])  # failed drafters: ℓ = 0
+        batch = self._flat_batch(reqs, anchors, drafts, ells)
         clock["schedule"] += time.perf_counter() - t
+
+        t = time.perf_counter()
+        q = self._draft_probs(reqs, ells) if survival is not None else None
+        clock["draft"] += time.perf_counter() - t
         t = time.perf_counter()
         logits, taps = self.target.verify(batch)
         clock["verify"] += time.perf_counter() - t
+
         t = time.perf_counter()
-        res = verify_ragged(logits, block.tokens, block.probs, ells, batch.cu_seqlens,
-                            [r.params for r in reqs], [r.generator for r in reqs])
-        n_acc, n_emit, out = res.num_accepted.tolist(), res.num_emitted.tolist(), res.tokens.tolist()
-        cu = batch.cu_seqlens.tolist()
+        uniforms = philox_uniforms(keys, counters, g + 1, STREAM_VERIFY)
+        block = drafts if drafts is not None else torch.zeros(R, g, dtype=torch.int64, device=dev)
+        res = verify_ragged(logits, block, ells, batch.cu_seqlens, sampling, q, uniforms)
+        clock["accept"] += time.perf_counter() - t
+
+        t = time.perf_counter()  # the drafter keeps up (also at ℓ = 0), then drafts the next step
+        nxt = None
+        if self.policy is not None:
+            self._extend(reqs, batch, taps, res.num_accepted + 1)
+            nxt = self._propose_next(reqs, res, keys, counters + 1, remaining - ells - 1)
+        clock["draft"] += time.perf_counter() - t
+
+        t = time.perf_counter()
+        host = _to_host(res.num_accepted, res.tokens, None if nxt is None else nxt.survival)  # the one sync
+        if nxt is not None and host[2] is not None:
+            nxt.survival = host[2]
+        self._next = nxt
+        if survival is not None:  # what the survivals predicted, against what was accepted
+            self._parts()[1].observe_acceptance(survival, ells, host[0].cpu())  # type: ignore[union-attr]
+        n_acc: list[int] = host[0].tolist()  # type: ignore[union-attr]
+        out: list[list[int]] = host[1].tolist()  # type: ignore[union-attr]
+        ell: list[int] = ells.tolist()
+        starts: list[int] = batch.positions[batch.cu_seqlens[:-1]].tolist()
         for i, r in enumerate(reqs):
             self.target.rollback(r.slot, starts[i] + 1 + n_acc[i])  # keep x0 and the accepted drafts
-            self._count(r, ell[i], n_acc[i])
-            self._emit(r, out[i][:n_emit[i]], from_verify=True)
-        self.metrics.steps += 1
-        self.metrics.verify_tokens += batch.num_tokens
-        self.metrics.last_budget = sum(ell)
-        self.metrics.verify_budget += sum(ell)
+            self._count(r, ell[i], n_acc[i], drafted=survival is not None and r.drafting)
+            self._emit(r, out[i][:n_acc[i] + 1], from_verify=True)
+        m = self.metrics
+        m.steps += 1
+        m.draft_steps += survival is not None
+        m.verify_tokens += batch.num_tokens
+        m.last_budget = sum(ell)
+        m.verify_budget += sum(ell)
         clock["accept"] += time.perf_counter() - t
-        t = time.perf_counter()
-        if self.policy is not None:  # drafter context gets [x0, accepted] even at ℓ = 0 (arch. §5)
-            live = [i for i, r in enumerate(reqs) if not r.finished and r.drafting]
-            self._drafter_call(
-                [reqs[i] for i in live], self.drafter.extend, [reqs[i].slot for i in live],
-                [batch.tokens[cu[i]:cu[i] + 1 + n_acc[i]] for i in live],
-                [taps[cu[i]:cu[i] + 1 + n_acc[i]] for i in live])
-        clock["draft"] += time.perf_counter() - t
+
+    def _flat_batch(self, reqs: list[Request], anchors: torch.Tensor, drafts: torch.Tensor | None,
+                    ells: torch.Tensor) -> RaggedBatch:
+        """[x0_r, d_r1 .. d_rℓ_r] per request: metadata on the host, tokens gathered on the device."""
+        R, g = len(reqs), self.gamma
+        lens = ells + 1
+        n = int(lens.sum())
+        cu = torch.zeros(R + 1, dtype=torch.int64)
+        cu[1:] = lens.cumsum(0)
+        seq_idx = torch.repeat_interleave(torch.arange(R), lens, output_size=n)
+        local = torch.arange(n) - cu[:-1].repeat_interleave(lens, output_size=n)
+        starts = torch.tensor([self.target.length(r.slot) for r in reqs], dtype=torch.int64)
+        if drafts is None or n == R:
+            tokens = anchors
+        else:
+            grid = torch.cat([anchors[:, None], drafts], dim=1).reshape(-1)  # [R·(γ+1)]
+            tokens = grid[(seq_idx * (g + 1) + local).to(anchors.device)]
+        return RaggedBatch(tokens, seq_idx, starts.repeat_interleave(lens, output_size=n) + local, cu,
+                           torch.tensor([r.slot for r in reqs], dtype=torch.int64))
 
     def run_until_done(self) -> None:
         while self.has_work():
             self.step()
 
     def run_forever(self, stop: threading.Event, idle_poll_s: float = 0.05) -> None:
-        """Serving loop for a background thread (the Triton BLS model): step while there is
+        """Serving loop for a background thread (the Triton `dspark` model): step while there is
         work, sleep on add_request/cancel otherwise, return once `stop` is set."""
         while not stop.is_set():
             with self._wakeup:
@@ -241,6 +314,7 @@ class SpecEngine:
                 r.on_tokens(r.request_id, [], True, reason)
         for r in list(self._active.values()):
             self._release(r)
+        self._next = None
 
     def generate(self, prompts: list[list[int]], max_tokens: int,
                  params: SamplingParams | list[SamplingParams] | None = None,
@@ -256,55 +330,126 @@ class SpecEngine:
         self.run_until_done()
         return [r.output for r in reqs]
 
-    # ---- helpers ----
+    # ---- drafting ----
+    def _parts(self) -> tuple[DrafterLike, Policy]:
+        """The drafter and policy of a speculative engine (only called when drafting is on)."""
+        assert self.drafter is not None and self.policy is not None
+        return self.drafter, self.policy
+
     def _remaining(self, r: Request) -> int:
         """Tokens r may still emit under max_tokens and the KV slot: the cache holds all but the
-        last emitted token, so prompt + output ≤ max_seq_len + 1 (as TargetEngine.generate)."""
+        last emitted token, so prompt + output ≤ max_seq_len + 1."""
         return min(r.max_tokens - len(r.output), self.target.max_seq_len + 1 - len(r.prompt) - len(r.output))
 
-    def _propose(self, reqs: list[Request], anchors: torch.Tensor) -> DraftBlock | None:
-        """Drafts [R, γ] for every request; rows whose drafter failed earlier stay zero (ℓ = 0).
-        A drafter exception makes this a plain step (still lossless) and counts a fallback."""
-        rows = [i for i, r in enumerate(reqs) if r.drafting]
+    def _drafts(self, reqs: list[Request], anchors: torch.Tensor, keys: torch.Tensor,
+                counters: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """This step's drafts [R, γ] (device) and survivals [R, γ] (host), or (None, None) for a
+        plain step. Requests drafted at the end of the last step reuse those drafts; the others
+        (just admitted) are proposed now, which costs this step one extra host sync."""
+        nxt, self._next = self._next, None
+        draft = self._draft_next
+        if self.policy is None or not (draft if draft is not None else self.policy.wants_draft(len(reqs))):
+            return None, None
+        R, g, dev = len(reqs), self.gamma, self.device
+        have = [i for i, r in enumerate(reqs) if nxt is not None and r.request_id in nxt.rows]
+        need = [i for i, r in enumerate(reqs) if r.drafting and (nxt is None or r.request_id not in nxt.rows)]
+        tokens = torch.zeros(R, g, dtype=torch.int64, device=dev)
+        survival = torch.zeros(R, g, dtype=torch.float32)
+        if have and nxt is not None:
+            rows = torch.tensor([nxt.rows[reqs[i].request_id] for i in have])
+            tokens[torch.tensor(have, device=dev)] = nxt.tokens[rows.to(dev)]
+            survival[torch.tensor(have)] = nxt.survival[rows]
+        if need:
+            idx = torch.tensor(need)
+            block = self._propose([reqs[i] for i in need], anchors[idx.to(dev)], keys[idx.to(dev)],
+                                  counters[idx.to(dev)])
+            if block is not None:
+                tokens[idx.to(dev)] = block.tokens
+                survival[idx] = sts_survival(block.conf_logits, self.sts_temperatures).float().cpu()
+        return tokens, survival
+
+    def _propose(self, reqs: list[Request], anchors: torch.Tensor, keys: torch.Tensor,
+                 counters: torch.Tensor) -> DraftBlock | None:
+        """drafter.propose for `reqs`; a drafter exception counts a fallback and drafts nothing
+        (those requests verify ℓ = 0 this step: still lossless)."""
+        drafter, policy = self._parts()
+        t0 = time.perf_counter()
+        try:
+            block = drafter.propose([r.slot for r in reqs], anchors, [r.params for r in reqs],
+                                         philox_uniforms(keys, counters, self.gamma, STREAM_DRAFT))
+        except Exception:
+            self.metrics.drafter_fallbacks += 1
+            return None
+        policy.observe_draft(len(reqs), time.perf_counter() - t0)  # the cost rule's t_draft(R)
+        return block
+
+    def _propose_next(self, reqs: list[Request], res, keys: torch.Tensor, counters: torch.Tensor,
+                      left: torch.Tensor) -> _Drafts | None:
+        """Draft the next step now, before the host has seen this step's results: anchors are the
+        last emitted tokens on the device. Skipped when the policy says the next step should be
+        plain (decided from step t−2 data), and for requests that finish for sure (left ≤ 0)."""
+        self._draft_next = self._parts()[1].wants_draft(len(reqs))
+        live = [i for i, r in enumerate(reqs) if r.drafting and int(left[i]) > 0]
+        if not self._draft_next or not live:
+            return None
+        dev = self.device
+        idx = torch.tensor(live, device=dev)
+        anchors = res.tokens.gather(1, res.num_accepted[:, None])[:, 0]
+        block = self._propose([reqs[i] for i in live], anchors[idx], keys[idx], counters[idx])
+        if block is None:
+            return None
+        return _Drafts({reqs[i].request_id: j for j, i in enumerate(live)}, block.tokens,
+                       sts_survival(block.conf_logits, self.sts_temperatures).float())
+
+    def _draft_probs(self, reqs: list[Request], ells: torch.Tensor) -> torch.Tensor | None:
+        """p_d of the verified drafts of sampled requests, flat [Σℓ, V] (None: one-hot drafts)."""
+        rows = [i for i, r in enumerate(reqs) if not r.params.greedy and int(ells[i]) > 0]
         if not rows:
             return None
-        try:
-            block = self.drafter.propose([reqs[i].slot for i in rows], anchors[rows],
-                                         [reqs[i].params for i in rows], [reqs[i].generator for i in rows])
-        except Exception:
-            self.metrics.drafter_fallbacks += 1
-            return None
-        if len(rows) == len(reqs):
-            return block
-        idx, R = torch.tensor(rows), len(reqs)
-        full = lambda x: None if x is None else x.new_zeros((R, *x.shape[1:])).index_copy_(0, idx, x)
-        return DraftBlock(full(block.tokens), full(block.probs), full(block.conf_logits))
+        q = self._parts()[0].draft_probs([reqs[i].slot for i in rows], ells[rows])
+        return None if q is None else q.to(self.device)
 
-    def _drafter_call(self, reqs: list[Request], fn, *args) -> None:
-        """Run a state-changing drafter call; on failure those requests stop drafting (plain from now)."""
-        if not reqs:
+    def _extend(self, reqs: list[Request], batch: RaggedBatch, taps: torch.Tensor,
+                keep: torch.Tensor) -> None:
+        """drafter.extend with [x0, accepted drafts] of every drafting request (architecture §5)."""
+        live = [i for i, r in enumerate(reqs) if r.drafting]
+        if not live:
             return
+        tokens, cu = batch.tokens, batch.cu_seqlens
+        if len(live) < len(reqs):
+            idx = torch.tensor(live)
+            lens = (cu[1:] - cu[:-1])[idx]
+            starts = cu[:-1][idx]
+            n = int(lens.sum())
+            first = torch.zeros(len(live), dtype=torch.int64)
+            first[1:] = lens.cumsum(0)[:-1]
+            rows = (starts.repeat_interleave(lens, output_size=n) + torch.arange(n)
+                    - first.repeat_interleave(lens, output_size=n)).to(tokens.device)
+            tokens, taps, keep = tokens[rows], taps[rows], keep[idx.to(keep.device)]
+            cu = torch.zeros(len(live) + 1, dtype=torch.int64)
+            cu[1:] = lens.cumsum(0)
         try:
-            fn(*args)
-        except Exception:
+            self._parts()[0].extend([reqs[i].slot for i in live], tokens, taps, cu, keep)
+        except Exception:  # those requests stop drafting (plain from now: still lossless)
             self.metrics.drafter_fallbacks += 1
-            for r in reqs:
-                r.drafting = False
+            for i in live:
+                reqs[i].drafting = False
 
-    def _count(self, r: Request, ell: int, n: int) -> None:
+    def _count(self, r: Request, ell: int, n: int, drafted: bool) -> None:
         m = self.metrics
         r.verify_steps += 1
         if self.policy is None:
             return
         m.accept_hist[n] += 1
         for per in (r, m):
-            for k in range(self.gamma if r.drafting else 0):
+            for k in range(self.gamma if drafted else 0):
                 per.drafted[k] += 1
             for k in range(ell):
                 per.verified[k] += 1
             for k in range(n):
                 per.accepted[k] += 1
 
+    # ---- admission, emission, release ----
     def _apply_cancellations(self) -> None:
         with self._lock:
             ids, self._cancel = self._cancel, set()
@@ -331,15 +476,21 @@ class SpecEngine:
             r.slot = self.target.allocate()
             self._active[r.request_id] = r
         logits, taps = self.target.prefill([r.slot for r in new], [r.prompt for r in new])
-        if all(r.params.greedy for r in new):
-            first = logits.argmax(-1).tolist()  # == sampling_probs' one-hot (ties: lowest id)
-        else:  # generators live on the CPU (verify_ragged draws from them there too)
-            probs = sampling_probs(logits.float(), *param_tensors([r.params for r in new], logits.device))
-            first = sample(probs.cpu(), [r.generator for r in new]).tolist()
+        sampling = SamplingBatch.from_params([r.params for r in new], logits.device)
+        if bool(sampling.greedy.all()):
+            first = logits.max(-1).indices  # == sampling_probs' one-hot (ties: lowest id)
+        else:
+            keys = torch.tensor([r.rng_key for r in new], dtype=torch.int64, device=logits.device)
+            u = philox_uniforms(keys, torch.zeros_like(keys), 1, STREAM_FIRST)[:, 0]
+            first = sample_inverse_cdf(sampling.probs(logits), u)
         if self.policy is not None:
             for r, tp in zip(new, taps):
-                self._drafter_call([r], self.drafter.start, r.slot, r.prompt, tp)
-        for r, tok in zip(new, first):
+                try:
+                    self._parts()[0].start(r.slot, r.prompt, tp)
+                except Exception:
+                    self.metrics.drafter_fallbacks += 1
+                    r.drafting = False
+        for r, tok in zip(new, first.tolist()):
             self._emit(r, [tok], from_verify=False)
 
     def _emit(self, r: Request, new: list[int], from_verify: bool) -> None:
@@ -365,7 +516,7 @@ class SpecEngine:
         self.target.release(r.slot)
         if self.policy is not None:
             try:
-                self.drafter.release(r.slot)
+                self._parts()[0].release(r.slot)
             except Exception:
                 self.metrics.drafter_fallbacks += 1
         if r.on_tokens and not r.notified:  # cancelled while active

@@ -1,6 +1,23 @@
-"""The two contracts the engine loop talks to (docs/architecture.md §2). The in-process engine passes
-`dspark.runtime.target.TargetEngine` and a drafter from `dspark.runtime.drafter`; inside Triton the BLS
-model passes thin stubs that forward the same calls to the `target` / `drafter` models."""
+"""The two contracts the engine loop talks to (docs/architecture.md §2).
+
+In process the engine is given `dspark.runtime.target.TargetEngine` and a drafter from
+`dspark.runtime.drafter`; inside Triton it is given BLS stubs (`dspark.serving`) that send the
+same calls to the `target` and `drafter` models. Everything crossing these interfaces is a
+tensor, an int, or a list of slots / `SamplingParams`, so every call maps onto Triton tensors.
+
+Devices: tensors returned by either side live on the target's device; an argument documented
+as "host" is a CPU tensor the engine already holds (no device sync is needed to build it).
+
+One engine step, in call order (R requests, γ drafts each, ℓ_r = verified drafts of request r):
+  1. drafter.propose(slots, anchors, params, uniforms)  -> DraftBlock: tokens [R, γ], conf_logits [R, γ]
+  2. the scheduler picks ℓ [R] from the confidences (host)
+  3. drafter.draft_probs(slots, ℓ)                     -> p_d of the verified, sampled rows [Σℓ, V] or None
+  4. target.verify(batch of [x0_r, d_r1 .. d_rℓ_r])     -> logits [N, V], taps [N, tap_dim]
+  5. accept / resample, then target.rollback and
+     drafter.extend(slots, batch tokens, taps, cu_seqlens, keep = 1 + accepted)
+The engine runs step 1 of the next step right after step 5 of this one, so the drafter's
+`extend` inputs may still be on the device (`keep` is a device tensor there).
+"""
 
 from __future__ import annotations
 
@@ -29,15 +46,15 @@ class TargetLike(Protocol):
         ...
 
     def verify(self, batch: RaggedBatch) -> tuple[torch.Tensor, torch.Tensor]:
-        """-> logits [N, V], taps [N, tap_dim]; appends every new token's K/V to its slot."""
+        """-> logits [N, V], taps [N, tap_dim]; appends every new token's K/V to its slot.
+        `batch.tokens` may already be on the target's device, the other fields are host."""
         ...
 
 
 @dataclass
 class DraftBlock:
     tokens: torch.Tensor  # [R, γ] i64, the proposed tokens d_1..d_γ
-    probs: torch.Tensor  # [R, γ, V] f32, the exact distribution each d_k was sampled from
-    conf_logits: torch.Tensor  # [R, γ] f32, confidence logits z_k (survival via STS, docs/architecture.md §7)
+    conf_logits: torch.Tensor  # [R, γ] f32, confidence logits z_k (survival via STS, architecture §7)
 
 
 class DrafterLike(Protocol):
@@ -49,14 +66,35 @@ class DrafterLike(Protocol):
 
     def release(self, slot: int) -> None: ...
 
-    def extend(self, slots: list[int], tokens: list[torch.Tensor], taps: list[torch.Tensor]) -> None:
-        """Append the accepted tokens [n_r] and their target taps [n_r, tap_dim] to each slot's context."""
+    def extend(
+        self,
+        slots: list[int],  # R
+        tokens: torch.Tensor,  # [N] i64, the verified batch: [x0_r, d_r1 .. d_rℓ_r] per request
+        taps: torch.Tensor,  # [N, tap_dim], the target's taps of those tokens
+        cu_seqlens: torch.Tensor,  # [R+1] i64 host, request r owns rows cu[r] .. cu[r+1]-1
+        keep: torch.Tensor,  # [R] i64 (device or host), 1 <= keep[r] <= cu[r+1] - cu[r]
+    ) -> None:
+        """Slot r's context grows by its first keep[r] rows (the anchor and the accepted drafts).
+        Called every step for every drafting request, also when ℓ_r = 0 or drafting was skipped."""
         ...
 
     def propose(
         self,
-        slots: list[int],
+        slots: list[int],  # R
         anchors: torch.Tensor,  # [R] i64, last emitted token of each request (not yet in target KV)
-        params: list[SamplingParams],
-        generators: list[torch.Generator | None],
-    ) -> DraftBlock: ...
+        params: list[SamplingParams],  # R, the request's temperature / top-k / top-p (greedy: argmax)
+        uniforms: torch.Tensor,  # [R, γ] f32 in [0, 1): the inverse-CDF draw of each sampled position
+    ) -> DraftBlock:
+        """Draft γ tokens per request. The drafter keeps, per slot, the distribution each sampled
+        token was drawn from until the slot's next propose (read back by `draft_probs`)."""
+        ...
+
+    def draft_probs(
+        self,
+        slots: list[int],  # R, a subset of the slots of the latest propose calls, any order
+        lengths: torch.Tensor,  # [R] i64 host, ℓ_r: the drafts of slot r that will be verified
+    ) -> torch.Tensor | None:
+        """The exact distributions d_r1 .. d_rℓ_r were sampled from, flat [Σ ℓ_r, V] f32, rows in
+        the order (r, k), counting ONLY slots whose latest block was sampled (T > 0): greedy
+        requests contribute no rows. None: this drafter's tokens are deterministic (one-hot)."""
+        ...

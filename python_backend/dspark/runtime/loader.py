@@ -110,11 +110,6 @@ def load_model(folder: str | Path, device: str | torch.device = "cpu", dtype: to
     return model.eval().requires_grad_(False), cfg
 
 
-def load_tokenizer(folder: str | Path) -> Tokenizer | None:
-    path = Path(folder) / "tokenizer.json"
-    return Tokenizer.from_file(str(path)) if path.is_file() else None
-
-
 def save_pretrained(model: Transformer, config: ModelConfig, folder: str | Path,
                     tokenizer_path: str | Path | None = None, dtype: torch.dtype = torch.float32) -> Path:
     """Write an HF folder (config, safetensors, generation config, tokenizer) that our

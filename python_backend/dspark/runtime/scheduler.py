@@ -1,72 +1,25 @@
-"""Prefix scheduler: how many draft tokens ℓ_r each request sends to verification (docs/architecture.md §7).
+"""Prefix scheduler: how many draft tokens ℓ_r each request sends to verification.
 
-Every policy maps the current survival matrix a [R, γ] (a[r,j] = Π_{i≤j} ĉ[r,i], the
-calibrated probability that d_{r,1..j} are all accepted) and the requests' remaining
-output budgets to ℓ [R]. Candidates (r, j) are ranked ONCE per step by a[r,j] descending,
-ties broken by j then r (a stable sort of the j-major flattening). Because a is
-non-increasing in j, (r, j) always ranks before (r, j+1), so "admit the first K of the
-ranking" is prefix-closed and ℓ_r is simply the number of admitted candidates in row r.
-
-Policies (`make_policy(spec)`):
-  none, fixed:k, mtp1 (= fixed:1), threshold:t (stop at the first ĉ < t, ĉ_j = a_j / a_{j-1}),
-  dspark-theory (Algorithm 1: walk the ranking while Θ = (R + Σ admitted a)·SPS(R + K)
-      strictly improves, stop at the first non-improvement),
-  dspark (production: budget K_t = argmax_K (R + Σ top-K a)·SPS(R + K) on the survival
-      snapshot of step t−2, no early stop so jagged SPS cliffs are crossed; then, with
-      walk = Algorithm 1's early stop on the CURRENT survivals: K = walk when the snapshot
-      shows the walk within 1 % of the argmax's Θ (no cliff worth crossing at this load),
-      else K = max(K_t, walk); admit the global top-K candidates by CURRENT survival. The
-      walk matters at low concurrency on a steep SPS, where one request's t−2 snapshot is
-      a noisy guess; `dspark:delayed` is K = K_t alone, docs/architecture.md §7 verbatim).
-  retrospective (NOT a production policy: the negative control of the Appendix A harness
-      and tests; dspark's global argmax evaluated on the CURRENT survivals).
-Caps for all: ℓ_r ≤ γ, ℓ_r ≤ remaining_r − 1 (the corrected/bonus token is always
-emitted), and B = Σ(1 + ℓ_r) ≤ max_batch_tokens (excess dropped from the bottom of the
-ranking, which keeps prefix-closure).
-
-dspark's argmax takes the LARGEST K among exact ties (flat SPS, zero survivals in the
-snapshot: a free token may still be accepted now).
-
-dspark history: after each decide() the admissible survivals are pushed. Step t
-uses the snapshot of step t−2; at the second call only t−1 exists and is used; at the
-first call (no history) the budget is K = R, i.e. an MTP-1-sized budget spread over the
-globally best candidates. If R changed since the snapshot, the snapshot's sorted values
-are quantile-resampled to R·γ entries (repetition when R doubled, etc.).
-
-Non-anticipation (docs/architecture.md §6): admission of (r, j) may depend on d_{r,<j} (hence on
-a[r,≤j]), on other requests and on older steps, never on a[r,>j] (which is computed from
-d_{r,j}). Conclusion for each policy:
-- Ranking: the rank of (r, j) counts candidates ranked above it; (r, >j) are always
-  ranked below (non-increasing a, ties by j), so the rank of (r, j) and the SET of
-  candidates above it never depend on a[r,>j].
-- dspark: K_t and the walk-or-max choice come from step t−2 (independent of this step's
-  tokens), and (r, j) is admitted iff rank(r, j) < K_t (max branch only) or the walk
-  reached it (see dspark-theory below): non-anticipating.
-- dspark-theory: (r, j) at rank p is admitted iff Θ improved at every rank ≤ p. Θ at rank
-  i uses only the top-i values, all ranked above (r, j) or (r, j) itself, so the early
-  stop decision for (r, j) is a function of candidates that do not include a[r,>j]:
-  ALSO non-anticipating, despite using current survivals. Changing a[r,>j] may change
-  the admission of candidates ranked below (r, j) in OTHER rows (global interaction);
-  that is allowed, because another request's tokens act as independent external
-  randomness for them. What dspark-theory lacks is production value: it needs the
-  current survivals before the batch size is known (no overlap of scheduling with the
-  previous step) and its early stop halts at the first jagged SPS cliff.
-- retrospective: the argmax over K looks past declines at a[r,>j]: a high a[r,j+1]
-  can make admitting (r, j) worthwhile; that is the Appendix A bias.
-- Batch-token cap: keeps the admitted candidates with the best ranks, again a function
-  of candidates ranked above. threshold/fixed only look at ĉ_{r,≤j}.
-tests/test_scheduler.py checks this as a property over random batches.
+Every policy maps the survival matrix a [R, γ] (a[r,j] = Π_{i≤j} ĉ[r,i], the calibrated
+probability that d_{r,1..j} are all accepted) and the requests' remaining output budgets to
+ℓ [R]. `make_policy(spec)` builds one: none, fixed:k, mtp1, threshold:t, dspark-theory
+(Algorithm 1), dspark (production; `dspark:delayed` is its t−2 budget alone) and
+retrospective (NOT lossless: the negative control of the tests and the Appendix A harness).
+The rules, the caps, the t−2 history and why each production policy is lossless
+(non-anticipation) are in docs/architecture.md §7; tests/test_scheduler.py checks that
+property on random batches.
 """
 
 from __future__ import annotations
 
 from collections import deque
+from typing import Any
 
 import numpy as np
 import torch
 
 from dspark.runtime import ranking
-from dspark.runtime.sps import SPSTable
+from dspark.runtime.sps import DraftCost, SPSTable
 
 
 def sts_survival(conf_logits: torch.Tensor, temperatures: torch.Tensor) -> torch.Tensor:
@@ -83,24 +36,91 @@ class Policy:
 
     name = "policy"
     uses_ranking_budget = False  # True: admit the first K of the ranking (K from _budget)
+    counts_drafting = False  # True: Θ divides by the whole step, drafting included (dspark)
 
-    def __init__(self, sps: SPSTable | None = None, gamma: int = 7, max_batch_tokens: int = 4096):
+    def __init__(self, sps: SPSTable | None = None, gamma: int = 7, max_batch_tokens: int = 4096,
+                 draft_cost: DraftCost | None = None):
         self.sps = sps
         self.gamma = int(gamma)
         self.max_batch_tokens = int(max_batch_tokens)
+        self.draft_cost = draft_cost if draft_cost is not None else DraftCost()
         # SPS at every B in [0, max_batch_tokens] so the hot path is a lookup, not a search.
-        self._sps_by_b = None
+        self._sps_by_b: np.ndarray | None = None
+        self._sps_now: np.ndarray | None = None  # what Θ uses this step: the SPS, or with drafting counted
         self._buckets = np.zeros(0, dtype=np.int64)
         if sps is not None:
             self._sps_by_b = sps.lookup(torch.arange(self.max_batch_tokens + 1)).numpy().astype(np.float64)
             self._buckets = np.asarray(sps.batch_tokens, dtype=np.int64)
         self._snapshots: deque[np.ndarray] = deque(maxlen=2)  # admissible survivals of t−2, t−1
         self.last_budget = 0
+        self.skipped = 0  # consecutive steps the cost rule left undrafted
+        self._profile: np.ndarray | None = None  # cost rule: average sorted survival curve (≤ t−1)
+        # online recalibration: per position, decayed sums of predicted survival and of acceptance
+        self._predicted = np.zeros(self.gamma)
+        self._accepted = np.zeros(self.gamma)
         ranking.warm_up()
 
     def reset(self) -> None:
         self._snapshots.clear()
         self.last_budget = 0
+        self.skipped = 0
+        self._profile = None
+        self._predicted[:] = 0.0
+        self._accepted[:] = 0.0
+
+    RECAL_DECAY = 0.99  # per observed step: the recalibration remembers ~100 steps
+    RECAL_MIN = 4.0  # predicted survival mass a position needs before its factor departs from 1
+
+    def observe_acceptance(self, survival: torch.Tensor, lengths: torch.Tensor,
+                           accepted: torch.Tensor) -> None:
+        """After a step: the survivals the policy was given [R, γ], the ℓ it chose [R] and the drafts
+        accepted [R]. Per position j, survival a[r, j] predicted 1[n_r > j] for every verified
+        (r, j); the running ratio of the two is the recalibration factor (dspark)."""
+        gamma = min(survival.shape[1], self.gamma)
+        a = survival[:, :gamma].double().numpy()
+        j = np.arange(gamma)[None, :]
+        verified = j < lengths.numpy()[:, None]
+        self._predicted[:gamma] = self.RECAL_DECAY * self._predicted[:gamma] + (a * verified).sum(0)
+        self._accepted[:gamma] = self.RECAL_DECAY * self._accepted[:gamma] + (
+            verified & (j < accepted.numpy()[:, None])).sum(0)
+
+    def recalibration(self, gamma: int) -> np.ndarray:
+        """Per-position factors [γ] for the survivals: realised acceptance / predicted survival over
+        past steps (1 until a position has RECAL_MIN of predicted mass). From completed steps only,
+        and a[r, j] · f_j still depends on d_{r,<j} alone, so ranking stays non-anticipating."""
+        pred, acc = self._predicted[:gamma], self._accepted[:gamma]
+        ratio = np.divide(acc + 1.0, pred + 1.0, out=np.ones(gamma), where=pred > 0)  # +1: a weak prior at 1
+        return np.where(pred >= self.RECAL_MIN, np.clip(ratio, 0.05, 4.0), 1.0).astype(np.float32)
+
+    PROFILE_POINTS = 256  # the averaged survival curve, as quantiles of the per-step sorted values
+    PROFILE_ALPHA = 0.25  # weight of the newest snapshot in that average
+
+    def _absorb(self, snapshot: np.ndarray) -> None:
+        """Fold a past step's snapshot into the average curve the cost rule reads: its admissible
+        survivals sorted descending, resampled to PROFILE_POINTS quantiles (any R)."""
+        ranked = np.sort(snapshot.reshape(-1))[::-1].astype(np.float64)
+        curve = ranked[np.arange(self.PROFILE_POINTS) * ranked.size // self.PROFILE_POINTS]
+        if self._profile is None:
+            self._profile = curve
+        else:
+            self._profile += self.PROFILE_ALPHA * (curve - self._profile)
+
+    # -- drafting cost (architecture §7) --------------------------------------------------------
+    def observe_draft(self, num_requests: int, seconds: float) -> None:
+        """The engine reports what drafting a step for R requests took."""
+        self.draft_cost.observe(num_requests, seconds)
+
+    def step_rate(self, num_requests: int) -> np.ndarray | None:
+        """Steps/second by token batch B for a drafted step of R requests: 1 / (t_draft(R) + 1/SPS(B))
+        when this policy counts drafting and a cost is known, else the SPS itself."""
+        t_draft = self.draft_cost(num_requests) if self.counts_drafting else None
+        if self._sps_by_b is None or not t_draft:
+            return self._sps_by_b
+        return 1.0 / (t_draft + 1.0 / self._sps_by_b)
+
+    def wants_draft(self, num_requests: int) -> bool:
+        """Draft the coming step at all? Decided before drafting, from past steps only."""
+        return True
 
     # -- subclass hooks (a is γ-major [γ, R], cap [R]) -----------------------------------------
     def _admit_lengths(self, a: np.ndarray, cap: np.ndarray) -> np.ndarray:
@@ -119,9 +139,13 @@ class Policy:
         if num_requests == 0 or gamma == 0:
             self.last_budget = 0
             return torch.zeros(num_requests, dtype=torch.int64)
-        a, cap = ranking.prepare(np.ascontiguousarray(survival.detach().cpu().numpy(), dtype=np.float32),
+        surv = np.ascontiguousarray(survival.detach().cpu().numpy(), dtype=np.float32)
+        if self.counts_drafting:
+            surv = surv[:, :gamma] * self.recalibration(gamma)  # prepare() clips to [0, 1], non-increasing
+        a, cap = ranking.prepare(np.ascontiguousarray(surv, dtype=np.float32),
                                  np.ascontiguousarray(remaining.detach().cpu().numpy(), dtype=np.int64),
                                  gamma)
+        self._sps_now = self.step_rate(num_requests)
         room = max(min(self.max_batch_tokens - num_requests, int(cap.sum())), 0)  # B ≤ max tokens
         if self.uses_ranking_budget:
             k = min(max(self._budget(a, cap, room), 0), room) if room > 0 else 0
@@ -132,26 +156,29 @@ class Policy:
                 lengths = ranking.top_k_lengths(a, lengths, room)
             k = int(lengths.sum())
         self.last_budget = k
+        if self.counts_drafting and self._snapshots:
+            self._absorb(self._snapshots[-1])  # step t−1's snapshot joins the cost rule's average
         self._snapshots.append(ranking.zero_capped(a, cap))
         return torch.from_numpy(lengths)
 
     # -- helpers for budget policies ---------------------------------------------------------------
-    def _check_sps(self) -> None:
-        if self._sps_by_b is None:
+    def _check_sps(self) -> np.ndarray:
+        """The step rates of this decide (raises without an SPS table)."""
+        if self._sps_by_b is None or self._sps_now is None:
             raise ValueError(f"policy {self.name!r} needs an SPS table")
+        return self._sps_now
 
     def _walk(self, a: np.ndarray, cap: np.ndarray, room: int) -> int:
         """Algorithm 1 on the CURRENT survivals: the number of leading ranks at which Θ strictly
         improves. Non-anticipating: the walk's verdict at rank p reads only ranks ≤ p."""
-        self._check_sps()
-        return ranking.walk(a, cap, room, self._sps_by_b)
+        return ranking.walk(a, cap, room, self._check_sps())
 
     def _theta(self, ranked: np.ndarray, num_requests: int, room: int) -> np.ndarray:
         """Θ(K) = (R + Σ_{i<K} ranked_i) · SPS(R + K) for K = 0..room (f64); ranked descending."""
-        self._check_sps()
+        rate = self._check_sps()
         gains = np.zeros(room + 1)
         np.cumsum(ranked[:room], dtype=np.float64, out=gains[1:])
-        return (num_requests + gains) * self._sps_by_b[num_requests:num_requests + room + 1]
+        return (num_requests + gains) * rate[num_requests:num_requests + room + 1]
 
 
 class NoDraft(Policy):
@@ -207,6 +234,7 @@ class DSpark(Policy):
 
     name = "dspark"
     uses_ranking_budget = True
+    counts_drafting = True
 
     def __init__(self, floor: bool = True, **kw):
         super().__init__(**kw)
@@ -215,6 +243,33 @@ class DSpark(Policy):
             self.name = "dspark:delayed"
 
     walk_tol = 0.01  # the snapshot's walk within 1 % of its argmax Θ: follow the walk alone
+    probe_every = 16  # while skipping, draft every 16th step anyway so the snapshot stays fresh
+
+    def wants_draft(self, num_requests: int) -> bool:
+        """The drafting-cost rule (architecture §7): skip drafting the coming step when, on the
+        survivals of past steps (the average sorted curve of the snapshots up to step t−2 before
+        the step drafted now), the best speculative rate max_K (R + Σ top-K a) / (t_draft(R) +
+        1/SPS(R + K)) does not beat plain decoding's R · SPS(R). The average, not one snapshot:
+        at low concurrency a single step's survivals are a noisy guess. Reads only past steps
+        (snapshots and measured drafting times), so it stays lossless. While skipping, every
+        `probe_every`-th step drafts anyway so the average keeps learning."""
+        t_draft = self.draft_cost(num_requests)
+        if not t_draft or self._profile is None or self._sps_by_b is None or num_requests < 1:
+            return True
+        if self.skipped >= self.probe_every:
+            self.skipped = 0
+            return True
+        room = min(self.max_batch_tokens - num_requests, num_requests * self.gamma)
+        if room < 1:
+            return True
+        n = num_requests * self.gamma
+        ranked = self._profile[np.arange(n) * self.PROFILE_POINTS // n]  # the curve at R·γ points
+        gains = np.cumsum(ranked[:room], dtype=np.float64)
+        rate = 1.0 / (t_draft + 1.0 / self._sps_by_b[num_requests + 1:num_requests + room + 1])
+        speculative = float(np.max((num_requests + gains) * rate))
+        plain = num_requests * float(self._sps_by_b[num_requests])
+        self.skipped = 0 if speculative > plain else self.skipped + 1
+        return self.skipped == 0
 
     def _budget(self, a, cap, room):
         num_requests = a.shape[1]
@@ -224,7 +279,7 @@ class DSpark(Policy):
         values, k = self._delayed_budget(num_requests, a.size, room)
         if not self.floor:
             return k
-        if ranking.walk_suffices(values, num_requests, k, room, self._sps_by_b, self.walk_tol):
+        if ranking.walk_suffices(values, num_requests, k, room, self._check_sps(), self.walk_tol):
             return self._walk(a, cap, room)
         return k if k >= room else max(k, self._walk(a, cap, room))
 
@@ -233,7 +288,7 @@ class DSpark(Policy):
         snapshot = self._snapshots[0].reshape(-1)  # t−2 when two exist, else t−1
         if snapshot.size == n and num_requests + room <= self._buckets[-1]:
             return snapshot, ranking.delayed_budget(snapshot, num_requests, room, self._buckets,
-                                                    self._sps_by_b)
+                                                    self._check_sps())
         ranked = np.sort(snapshot)[::-1]
         if ranked.size != n:  # R changed: quantile-resample the sorted snapshot to R·γ values
             ranked = np.ascontiguousarray(ranked[np.arange(n) * ranked.size // n])
@@ -253,11 +308,11 @@ class Retrospective(Policy):
 
 
 def make_policy(spec: str, sps: SPSTable | None = None, gamma: int = 7,
-                max_batch_tokens: int = 4096) -> Policy:
+                max_batch_tokens: int = 4096, draft_cost: DraftCost | None = None) -> Policy:
     """'none' | 'fixed:k' | 'mtp1' | 'threshold[:t]' (default t=0.5) | 'dspark-theory' | 'dspark'
     | 'dspark:delayed'
     (| 'retrospective', a deliberately non-lossless control for tests and the Appendix A harness)."""
-    kw = dict(sps=sps, gamma=gamma, max_batch_tokens=max_batch_tokens)
+    kw: dict[str, Any] = dict(sps=sps, gamma=gamma, max_batch_tokens=max_batch_tokens, draft_cost=draft_cost)
     name, _, arg = spec.strip().partition(":")
     if name == "none":
         return NoDraft(**kw)

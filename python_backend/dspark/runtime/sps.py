@@ -92,3 +92,39 @@ class SPSTable:
         d = json.loads(Path(path).read_text())
         return cls(d["batch_tokens"], d["steps_per_second"], d.get("device", "unknown"),
                    d.get("model", "unknown"))
+
+
+class DraftCost:
+    """Seconds one drafting step costs at R requests (architecture §7, drafting cost): learned
+    online by the engine (exponential moving average per R) or given up front. Unmeasured R
+    interpolate linearly between the nearest measured ones (constant beyond them)."""
+
+    def __init__(self, seconds: dict[int, float] | None = None, alpha: float = 0.2,
+                 learn: bool = True) -> None:
+        """learn=False: keep the given costs (a schedule that does not depend on timing, e.g. for
+        bit-reproducible sampled runs: the engine's measurements are then ignored)."""
+        self.alpha, self.learn = alpha, learn
+        self._by_r: dict[int, float] = {int(r): float(s) for r, s in (seconds or {}).items()}
+
+    def observe(self, num_requests: int, seconds: float) -> None:
+        if not self.learn:
+            return
+        old = self._by_r.get(num_requests)
+        self._by_r[num_requests] = seconds if old is None else old + self.alpha * (seconds - old)
+
+    def __call__(self, num_requests: int) -> float | None:
+        """Seconds at R, or None before any measurement."""
+        if not self._by_r:
+            return None
+        if num_requests in self._by_r:
+            return self._by_r[num_requests]
+        rs = sorted(self._by_r)
+        lo = max((r for r in rs if r < num_requests), default=None)
+        hi = min((r for r in rs if r > num_requests), default=None)
+        if lo is None or hi is None:
+            return self._by_r[rs[0] if lo is None else rs[-1]]  # beyond the measured range: nearest
+        w = (num_requests - lo) / (hi - lo)
+        return (1 - w) * self._by_r[lo] + w * self._by_r[hi]
+
+    def to_dict(self) -> dict[int, float]:
+        return dict(sorted(self._by_r.items()))

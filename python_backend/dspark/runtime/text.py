@@ -13,20 +13,35 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Literal, overload
 
 from tokenizers import Tokenizer
 
 REPLACEMENT_CHAR = "\ufffd"  # what a lossy UTF-8 decode yields for incomplete bytes
 
 
-def load_tokenizer(folder: str | Path) -> Tokenizer:
-    """The Hugging Face `tokenizer.json` of a checkpoint folder (or the file itself)."""
+@overload
+def load_tokenizer(folder: str | Path, optional: Literal[False] = False) -> Tokenizer: ...
+@overload
+def load_tokenizer(folder: str | Path, optional: bool) -> Tokenizer | None: ...
+
+
+def load_tokenizer(folder: str | Path, optional: bool = False) -> Tokenizer | None:
+    """The Hugging Face `tokenizer.json` of a checkpoint folder (or the file itself).
+    A missing file raises FileNotFoundError naming it. Callers that work on token ids alone say
+    so with `optional=True` and get None for a weights-only folder (no tokenizer files at all);
+    a folder with tokenizer_config.json but no tokenizer.json is broken either way."""
     path = Path(folder)
     if path.is_dir():
         path = path / "tokenizer.json"
-    if not path.is_file():
-        raise FileNotFoundError(f"no tokenizer.json at {path}")
-    return Tokenizer.from_file(str(path))
+    if path.is_file():
+        return Tokenizer.from_file(str(path))
+    if (path.parent / "tokenizer_config.json").is_file():
+        raise FileNotFoundError(f"{path.parent} has tokenizer_config.json but no tokenizer.json "
+                                "(we read the fast-tokenizer file only)")
+    if optional:
+        return None
+    raise FileNotFoundError(f"no tokenizer.json at {path}")
 
 
 def encode(tokenizer: Tokenizer, text: str, add_special_tokens: bool = True) -> list[int]:

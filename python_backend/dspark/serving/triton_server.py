@@ -1,4 +1,4 @@
-"""Run the real `tritonserver` shipped in the nvidia-pytriton wheel (docs/architecture.md §10).
+"""Run the real `tritonserver` shipped in the nvidia-pytriton wheel (architecture §10).
 
 The wheel holds the server binary, its shared libraries (`nvidia_pytriton.libs`), the
 Python backend and one backend stub per Python version. `TritonServer` assembles a
@@ -6,11 +6,17 @@ backend folder for the running Python, starts the server on a model repository, 
 for `/v2/health/ready` and stops it by its own pid. The stub embeds the system
 `libpython3.X`; it finds this virtualenv (and so numpy, torch and the editable `dspark`
 install) because the venv's `bin/` comes first on PATH, the same trick pytriton uses.
+
+Without a GPU the server is started without its GPU metrics and pinned-memory pools; it
+still logs a few CUDA lines, which the console relay marks as harmless (`HARMLESS_ON_CPU`).
+The Python backend's shared-memory regions get a per-server prefix, so `stop` removes them
+from /dev/shm even when the server died (a crash leaves them behind otherwise).
 """
 
 from __future__ import annotations
 
 import atexit
+import collections
 import importlib.util
 import os
 import shutil
@@ -19,10 +25,46 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import urllib.error
 import urllib.request
+import uuid
 from pathlib import Path
+
+# Lines tritonserver 2.51 logs on a machine without a GPU; they change nothing on the CPU.
+HARMLESS_ON_CPU = (
+    "CudaDriverHelper has not been initialized",
+    "CUDA driver version is insufficient",
+    "Failed to initialize NVML",
+    "DCGM unable to start",
+    "pinned memory pool will not be available",
+    "failed to allocate pinned system memory",
+)
+CPU_NOTE = "  [harmless without a GPU: the CPU build of the models does not use CUDA]"
+SHM_DIR = Path("/dev/shm")
+# Python backend shared memory: start and grow in 16 MiB steps (a verify step moves logits
+# [N, V] between models: ~100 KB per token for a 49k vocabulary in bf16).
+SHM_BYTES = 16 << 20
+
+
+def has_gpu() -> bool:
+    """An NVIDIA driver is present (what tritonserver's CUDA code needs)."""
+    return Path("/dev/nvidiactl").exists()
+
+
+def death_reason(returncode: int | None) -> str:
+    """Human wording of a Popen return code (negative = killed by that signal)."""
+    if returncode is None:
+        return "still running"
+    if returncode < 0:
+        try:
+            name = signal.Signals(-returncode).name
+        except ValueError:
+            name = f"signal {-returncode}"
+        hint = " (a crash)" if -returncode in (signal.SIGSEGV, signal.SIGABRT, signal.SIGBUS) else ""
+        return f"killed by {name}{hint}"
+    return f"exited with code {returncode}"
 
 
 def pytriton_dir() -> Path:
@@ -65,6 +107,9 @@ def server_env(extra: dict[str, str] | None = None) -> dict[str, str]:
     libs = str(server_libs_dir())
     env["LD_LIBRARY_PATH"] = f"{libs}:{env['LD_LIBRARY_PATH']}" if env.get("LD_LIBRARY_PATH") else libs
     env["PATH"] = f"{Path(sys.executable).parent}:{env.get('PATH', '')}"
+    # Several model processes share the cores (target, drafter, dspark): OpenMP threads that
+    # spin after each parallel region (the default) starve the others; passive ones sleep.
+    env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     env.update(extra or {})
     return env
 
@@ -80,8 +125,9 @@ class TritonServer:
     """One `tritonserver` process serving `model_repository`.
 
     Port 0 picks a free port. `env` adds environment variables (model overrides such as
-    DSPARK_TARGET reach each model's stub this way). The log goes to `log_path` (a temp
-    file by default) unless `log_to_console`.
+    DSPARK_MODEL reach each model's stub this way). The log goes to `log_path` (a temp
+    file by default) unless `log_to_console`, where it is relayed line by line to stderr with
+    the CPU-harmless lines marked. Binds `host` (127.0.0.1 unless told otherwise).
     """
 
     def __init__(
@@ -90,23 +136,30 @@ class TritonServer:
         http_port: int = 8000,
         grpc_port: int = 8001,
         metrics_port: int = 8002,
-        host: str = "0.0.0.0",
+        host: str = "127.0.0.1",
         env: dict[str, str] | None = None,
         log_path: str | Path | None = None,
         log_to_console: bool = False,
         extra_args: list[str] | None = None,
+        http_host: str | None = None,
     ):
         self.model_repository = Path(model_repository).resolve()
         self.http_port = http_port or free_port()
         self.grpc_port = grpc_port or free_port()
         self.metrics_port = metrics_port or free_port()
         self.host = host
+        self.http_host = (
+            http_host or host
+        )  # `dspark serve` keeps tritonserver's HTTP private behind its front
         self.env = env or {}
         self.log_to_console = log_to_console
         self.extra_args = extra_args or []
         self.log_path = Path(log_path) if log_path else None  # set in start() when None
         self.workdir: Path | None = None  # backend folder (+ default log), removed by stop()
         self.process: subprocess.Popen | None = None
+        self.shm_prefix = f"dspark_{os.getpid()}_{uuid.uuid4().hex[:8]}_"
+        self.recent: collections.deque[str] = collections.deque(maxlen=200)  # console relay: last lines
+        self._relay: threading.Thread | None = None
 
     @property
     def pid(self) -> int | None:
@@ -118,7 +171,8 @@ class TritonServer:
 
     @property
     def http_url(self) -> str:
-        return f"{self.local_host}:{self.http_port}"
+        host = "127.0.0.1" if self.http_host in ("0.0.0.0", "") else self.http_host
+        return f"{host}:{self.http_port}"
 
     @property
     def grpc_url(self) -> str:
@@ -136,11 +190,24 @@ class TritonServer:
             f"--http-port={self.http_port}",
             f"--grpc-port={self.grpc_port}",
             f"--metrics-port={self.metrics_port}",
-            f"--http-address={self.host}",
+            f"--http-address={self.http_host}",
             f"--grpc-address={self.host}",
+            f"--metrics-address={self.host}",
             # Our configs are complete; auto-complete would start one extra stub process
             # per Python model just to import model.py (and torch) a second time.
             "--disable-auto-complete-config",
+            f"--backend-config=python,shm-region-prefix-name={self.shm_prefix}",
+            f"--backend-config=python,shm-default-byte-size={SHM_BYTES}",
+            f"--backend-config=python,shm-growth-byte-size={SHM_BYTES}",
+            *(
+                []
+                if has_gpu()
+                else [
+                    "--allow-gpu-metrics=false",
+                    "--pinned-memory-pool-byte-size=0",
+                    "--cuda-memory-pool-byte-size=0:0",
+                ]
+            ),
             *self.extra_args,
         ]
 
@@ -150,7 +217,7 @@ class TritonServer:
         self.workdir = Path(tempfile.mkdtemp(prefix="dspark-triton-"))
         backends = prepare_backend_dir(self.workdir / "backends")
         self.log_path = self.log_path or self.workdir / "tritonserver.log"
-        out = None if self.log_to_console else open(self.log_path, "wb")  # noqa: SIM115
+        out = subprocess.PIPE if self.log_to_console else open(self.log_path, "wb")  # noqa: SIM115
         try:
             # Own session: a terminal Ctrl-C reaches only us, and stop() can end the whole
             # group (the server and its per-model stub processes) by the server's pid.
@@ -158,15 +225,28 @@ class TritonServer:
                 self.command(backends),
                 env=server_env(self.env),
                 stdout=out,
-                stderr=subprocess.STDOUT if out else None,
+                stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL,
                 start_new_session=True,
             )
         finally:
-            if out:
+            if out is not subprocess.PIPE:
                 out.close()
+        if self.log_to_console:
+            self._relay = threading.Thread(target=self._relay_log, name="tritonserver-log", daemon=True)
+            self._relay.start()
         atexit.register(self.stop)  # an uncaught exception in the caller must not orphan the server
         return self
+
+    def _relay_log(self) -> None:
+        """Console mode: copy the server's output to stderr, marking the CPU-harmless lines."""
+        cpu = not has_gpu()
+        for raw in self.process.stdout:
+            line = raw.decode("utf-8", errors="replace").rstrip("\n")
+            self.recent.append(line)
+            if cpu and any(h in line for h in HARMLESS_ON_CPU):
+                line += CPU_NOTE
+            print(line, file=sys.stderr, flush=True)
 
     def is_ready(self) -> bool:
         try:
@@ -177,9 +257,12 @@ class TritonServer:
 
     def log_tail(self, lines: int = 30) -> str:
         """The server's error lines (model load failures and such) and the last `lines` lines."""
-        if self.log_to_console or self.log_path is None or not self.log_path.exists():
+        if self.log_to_console:
+            log = list(self.recent)
+        elif self.log_path is None or not self.log_path.exists():
             return ""
-        log = self.log_path.read_text(errors="replace").splitlines()
+        else:
+            log = self.log_path.read_text(errors="replace").splitlines()
         errors = [line[:4000] for line in log[:-lines] if line.startswith("E") or "error" in line.lower()]
         return "\n".join(errors[-20:] + log[-lines:])
 
@@ -189,7 +272,7 @@ class TritonServer:
         while time.monotonic() < deadline:
             if self.process is None or self.process.poll() is not None:
                 code = None if self.process is None else self.process.returncode
-                raise RuntimeError(f"tritonserver exited (code {code}) before ready:\n{self.log_tail()}")
+                raise RuntimeError(f"tritonserver {death_reason(code)} before ready:\n{self.log_tail()}")
             if self.is_ready():
                 return
             time.sleep(0.5)
@@ -213,9 +296,23 @@ class TritonServer:
         except (ProcessLookupError, PermissionError):
             pass
         proc.wait()
+        if self._relay is not None:
+            self._relay.join(timeout=5)
         if self.workdir is not None:
             shutil.rmtree(self.workdir, ignore_errors=True)
+        self.remove_shm()
         return proc.returncode
+
+    def remove_shm(self) -> list[str]:
+        """Delete this server's Python-backend shared-memory regions (left behind by a crash)."""
+        removed = []
+        for path in SHM_DIR.glob(self.shm_prefix + "*"):
+            try:
+                path.unlink()
+                removed.append(path.name)
+            except OSError:
+                pass
+        return removed
 
     def __enter__(self) -> TritonServer:
         self.start()

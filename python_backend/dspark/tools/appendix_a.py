@@ -15,6 +15,13 @@ verifies d_1 exactly when d_1 = a, which is then always accepted; after d_1 = b 
 nothing and the target samples (0.7, 0.3). First token: P(a) = 0.5 · 1 + 0.5 · 0.7 = 0.85,
 i.e. (0.85, 0.15) instead of (0.7, 0.3). Policies that decide on d_j from d_{<j} only (fixed
 lengths, threshold, dspark-theory's early stop, dspark's t−2 budget) emit (0.7, 0.3).
+
+Drafting cost (architecture §7): "dspark+cost:X" is dspark with a drafting step of X seconds
+(a verify step costs 1 / SPS). Before each step it decides, from the survivals of steps up to
+t−2 only (their average curve: a_1 = 0.8, a_2 ≈ 0.6), whether drafting pays at all: for X = 0.05
+Θ(2) = (1 + 0.8 + 0.6) / (0.05 + 1/0.45) ≈ 1.06 > 1 = plain, so it drafts; for X = 0.3 it is
+0.95 < 1 and it runs plain steps, drafting every 16th step to keep the average fresh. Whether a
+step drafts depends on old tokens only, so the output stays (0.7, 0.3) either way.
 """
 
 from __future__ import annotations
@@ -26,7 +33,7 @@ from pathlib import Path
 
 import torch
 
-from dspark.runtime.sampling import SamplingParams
+from dspark.runtime.sampling import SamplingBatch, SamplingParams
 from dspark.runtime.verify import verify_ragged
 
 P_TARGET = (0.7, 0.3)
@@ -36,7 +43,7 @@ GAMMA = 2
 CONF_FIRST = 0.8
 CONF_AFTER = (1.0, 0.5)
 BUILTIN = ("retrospective", "none", "fixed:1", "fixed:2")
-SCHEDULER = ("mtp1", "threshold:0.7", "dspark-theory", "dspark")
+SCHEDULER = ("mtp1", "threshold:0.7", "dspark-theory", "dspark", "dspark+cost:0.05", "dspark+cost:0.3")
 
 
 def draft(num: int, g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
@@ -68,12 +75,16 @@ def policy_lengths(spec: str, survival: torch.Tensor) -> torch.Tensor:
     if spec.startswith("fixed:"):
         return torch.full((num,), min(int(spec.split(":")[1]), GAMMA), dtype=torch.int64)
     from dspark.runtime.scheduler import make_policy
-    from dspark.runtime.sps import SPSTable
+    from dspark.runtime.sps import DraftCost, SPSTable
 
     sps = SPSTable(list(SPS_TABLE), list(SPS_TABLE.values()), device="appendix-a", model="appendix-a")
-    policy = make_policy(spec, sps=sps, gamma=GAMMA, max_batch_tokens=1 + GAMMA)
+    name, _, cost = spec.partition("+cost:")
+    policy = make_policy(name, sps=sps, gamma=GAMMA, max_batch_tokens=1 + GAMMA,
+                         draft_cost=DraftCost({1: float(cost)}) if cost else None)
     remaining = torch.tensor([1 << 20])
-    return torch.cat([policy.decide(survival[i : i + 1], remaining) for i in range(num)])
+    skip = torch.zeros(1, dtype=torch.int64)  # a plain step: the cost rule said drafting does not pay
+    return torch.cat([policy.decide(survival[i : i + 1], remaining) if policy.wants_draft(1) else skip
+                      for i in range(num)])
 
 
 def first_tokens(tokens: torch.Tensor, lengths: torch.Tensor, g: torch.Generator) -> torch.Tensor:
@@ -82,10 +93,10 @@ def first_tokens(tokens: torch.Tensor, lengths: torch.Tensor, g: torch.Generator
     cu = torch.zeros(num + 1, dtype=torch.int64)
     cu[1:] = (lengths + 1).cumsum(0)
     logits = torch.tensor(P_TARGET).log().expand(int(cu[-1]), 2)
-    draft_probs = torch.tensor(P_DRAFT).expand(num, GAMMA, 2)
+    draft_probs = torch.tensor(P_DRAFT).expand(int(lengths.sum()), 2)  # flat: one row per verified draft
     uniforms = torch.rand(num, GAMMA + 1, generator=g)
-    params = [SamplingParams(temperature=1.0)] * num
-    out = verify_ragged(logits, tokens, draft_probs, lengths, cu, params, [None] * num, uniforms)
+    sampling = SamplingBatch.from_params([SamplingParams(temperature=1.0)] * num)
+    out = verify_ragged(logits, tokens, lengths, cu, sampling, draft_probs, uniforms)
     return out.tokens[:, 0]
 
 

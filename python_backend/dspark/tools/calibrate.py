@@ -15,7 +15,6 @@ import argparse
 import hashlib
 import json
 import math
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -24,39 +23,13 @@ import torch
 from dspark.runtime.drafter import build_drafter, pad_temperatures, read_calibration  # noqa: F401 (re-exported)
 from dspark.runtime.sampling import SamplingParams
 from dspark.tools.metrics import ECE_BINS, auroc, ece, reliability, sigmoid, survival
+from dspark.tools.traces import BlockTrace, read_block_trace  # noqa: F401 (the one trace format)
 
 # Log-spaced temperatures 0.05 .. 20 (ECE is piecewise constant in T, so a grid suffices).
 STS_GRID = np.exp(np.linspace(math.log(0.05), math.log(20.0), 241))
 CALIBRATION_FILE = "calibration.json"
 MIN_CLASS = 5  # survivors and failures a position needs before its T_k is fitted
 CALIBRATION_FRACTION = 4  # one prompt in 4 (by content hash) is held out for calibration
-
-
-@dataclass
-class BlockTrace:
-    """Per drafted block (one verify step of one request) at fixed γ."""
-
-    conf_logits: np.ndarray  # [N, γ] f64, confidence logits z_k
-    n_accepted: np.ndarray  # [N] i64, accepted draft tokens (prefix survival)
-    n_verified: np.ndarray  # [N] i64, draft tokens the target verified (γ unless capped near the end)
-
-    @property
-    def gamma(self) -> int:
-        return int(self.conf_logits.shape[1])
-
-    def __len__(self) -> int:
-        return int(self.conf_logits.shape[0])
-
-    @classmethod
-    def from_rows(cls, rows: list[dict]) -> BlockTrace:
-        """Rows {"conf_logits": [γ], "n_accepted": n, "n_verified": ℓ} (all the same γ); the
-        simulator's trace lines {"conf_logits", "accepted"} (all γ verified) work too."""
-        if not rows:
-            raise ValueError("empty trace")
-        z = np.asarray([r["conf_logits"] for r in rows], dtype=np.float64)
-        n = np.asarray([r.get("n_accepted", r.get("accepted")) for r in rows], dtype=np.int64)
-        ell = np.asarray([r.get("n_verified", z.shape[1]) for r in rows], dtype=np.int64)
-        return cls(z, n, ell)
 
 
 def is_calibration_prompt(text: str) -> bool:
@@ -121,11 +94,53 @@ def pooled(trace: BlockTrace, temperatures: list[float] | None) -> tuple[np.ndar
     return a[mask], (trace.n_accepted[:, None] >= k)[mask]
 
 
-def calibrate_trace(trace: BlockTrace) -> dict:
-    """Fit STS and measure before/after: the calibration.json payload."""
+AFFINE_SHIFTS = np.linspace(-3.0, 3.0, 61)
+
+
+def affine_survival(z: np.ndarray, params: list[tuple[float, float]]) -> np.ndarray:
+    """â_k = Π_{i≤k} σ(z_i/T_i + b_i) for z [N, γ] and params [(T_i, b_i)] (γ of them)."""
+    t = np.asarray([p[0] for p in params])
+    b = np.asarray([p[1] for p in params])
+    return np.cumprod(sigmoid(z[:, :len(params)] / t + b), axis=1)
+
+
+def fit_affine_sts(trace: BlockTrace, grid: np.ndarray = STS_GRID, shifts: np.ndarray = AFFINE_SHIFTS,
+                   n_bins: int = ECE_BINS, min_class: int = MIN_CLASS) -> list[tuple[float, float]]:
+    """The affine ablation of STS: per position a temperature AND a logit shift,
+    ĉ_k = σ(z_k/T_k + b_k), fitted in order like `fit_sts` (joint grid over T and b). A shift
+    can remove a bias of the head that a temperature (which keeps z = 0 at ½) cannot."""
+    z = trace.conf_logits
+    params: list[tuple[float, float]] = []
+    prefix = np.ones(len(trace))
+    tt, bb = np.meshgrid(grid, shifts, indexing="ij")
+    tt, bb = tt.ravel(), bb.ravel()
+    tie = np.lexsort((np.abs(bb), np.abs(np.log(tt))))
+    for k in range(1, trace.gamma + 1):
+        mask, alive = _observed(trace, k)
+        best = params[-1] if params else (1.0, 0.0)
+        n_alive = int(alive[mask].sum())
+        if min(n_alive, int(mask.sum()) - n_alive) >= min_class:
+            zk, pre, y = z[mask, k - 1], prefix[mask], alive[mask]
+            errors = _ece_per_row(pre * sigmoid(zk[None, :] / tt[:, None] + bb[:, None]), y, n_bins)
+            i = tie[np.argmin(errors[tie])]
+            best = (float(tt[i]), float(bb[i]))
+        params.append(best)
+        prefix = prefix * sigmoid(z[:, k - 1] / best[0] + best[1])
+    return params
+
+
+def affine_report(trace: BlockTrace, params: list[tuple[float, float]]) -> list[float]:
+    """Per-position ECE of the affine-calibrated survival."""
+    a = affine_survival(trace.conf_logits, params)
+    return [ece(a[m, k - 1], y[m]) for k in range(1, trace.gamma + 1) for m, y in [_observed(trace, k)]]
+
+
+def calibrate_trace(trace: BlockTrace, affine: bool = True) -> dict:
+    """Fit STS and measure before/after: the calibration.json payload (plus the affine
+    ablation's parameters and ECE; the runtime applies the temperatures only)."""
     temps = fit_sts(trace)
     before, after = position_report(trace, None), position_report(trace, temps)
-    return {
+    out = {
         "sts_temperatures": temps,
         "gamma": trace.gamma,
         "n_blocks": len(trace),
@@ -134,6 +149,12 @@ def calibrate_trace(trace: BlockTrace) -> dict:
         "auroc_before": before["auroc"],
         "auroc_after": after["auroc"],
     }
+    if affine:
+        params = fit_affine_sts(trace)
+        out["affine_ablation"] = {"params": [list(p) for p in params],
+                                  "ece_after": affine_report(trace, params),
+                                  "note": "σ(z/T + b) per position; not used at serving time"}
+    return out
 
 
 def plot_reliability(trace: BlockTrace, temperatures: list[float], title: str, path: Path) -> None:
@@ -166,6 +187,15 @@ def plot_reliability(trace: BlockTrace, temperatures: list[float], title: str, p
     plt.close(fig)
 
 
+def read_affine(folder: str | Path | None) -> list[tuple[float, float]] | None:
+    """The affine-STS ablation's (T_k, b_k) stored in a drafter's calibration.json, if any."""
+    path = None if folder is None else Path(folder) / CALIBRATION_FILE
+    if path is None or not path.is_file():
+        return None
+    params = json.loads(path.read_text()).get("affine_ablation", {}).get("params")
+    return None if not params else [(float(t), float(b)) for t, b in params]
+
+
 def write_calibration(drafter_dir: Path, payload: dict) -> Path:
     path = Path(drafter_dir) / CALIBRATION_FILE
     path.write_text(json.dumps(payload, indent=1) + "\n")
@@ -175,28 +205,38 @@ def write_calibration(drafter_dir: Path, payload: dict) -> Path:
 # ---- recording traces on the real speculative loop ----
 
 class RecordingDrafter:
-    """Delegates to a drafter and keeps the confidence logits of its last proposal per
-    slot, so the engine loop runs unchanged while we record z per drafted block."""
+    """Delegates to a drafter and records, per slot, the confidence logits of the block the
+    engine verified in the last step, so the engine loop runs unchanged while we record z per
+    drafted block. The engine proposes a step's drafts at the end of the step before, so the
+    verified block is the latest proposal when `extend` (right after verification) is called."""
 
     def __init__(self, inner) -> None:
         self.inner = inner
         self.gamma = int(inner.gamma)
-        self.last_conf: dict[int, list[float]] = {}  # slot -> z [γ] of the latest propose()
+        self.last_conf: dict[int, list[float]] = {}  # slot -> z [γ] of the block verified last step
+        self._proposed: dict[int, list[float]] = {}  # slot -> z [γ] of its latest propose()
 
     def start(self, slot, prompt, taps):
         return self.inner.start(slot, prompt, taps)
 
     def release(self, slot):
+        self._proposed.pop(slot, None)
         return self.inner.release(slot)
 
-    def extend(self, slots, tokens, taps):
-        return self.inner.extend(slots, tokens, taps)
+    def extend(self, slots, tokens, taps, cu_seqlens, keep):
+        for s in slots:
+            if s in self._proposed:
+                self.last_conf[s] = self._proposed.pop(s)
+        return self.inner.extend(slots, tokens, taps, cu_seqlens, keep)
 
-    def propose(self, slots, anchors, params, generators):
-        block = self.inner.propose(slots, anchors, params, generators)
+    def propose(self, slots, anchors, params, uniforms):
+        block = self.inner.propose(slots, anchors, params, uniforms)
         z = block.conf_logits.detach().float().cpu()
-        self.last_conf = {int(s): [round(float(v), 4) for v in z[i]] for i, s in enumerate(slots)}
+        self._proposed.update({int(s): [round(float(v), 4) for v in z[i]] for i, s in enumerate(slots)})
         return block
+
+    def draft_probs(self, slots, lengths):
+        return self.inner.draft_probs(slots, lengths)
 
 
 def run_requests(engine, recorder: RecordingDrafter, prompts: list[list[int]], max_tokens: int,
@@ -223,7 +263,7 @@ def run_requests(engine, recorder: RecordingDrafter, prompts: list[list[int]], m
             if req.finished:
                 results[i] = {"blocks": blocks, "emitted": req.verify_emitted,
                               "verify_steps": req.verify_steps, "output_len": len(req.output),
-                              "finish_reason": req.finish_reason}
+                              "finish_reason": req.finish_reason, "output": list(req.output)}
                 del live[i]
                 if on_done is not None:
                     on_done()
@@ -252,13 +292,12 @@ def split_prompts(domain: str, n: int, calibration: bool) -> list[str]:
 # ---- CLI ----
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    from dspark.paths import DEMO_TARGET
-
     p.add_argument("--drafter", required=True,
-                   help="drafter folder name under build/demo/drafters, a path, ngram; comma list; or 'all'")
-    p.add_argument("--target", default=str(DEMO_TARGET))
+                   help="drafter name (the model's shipped drafters), a folder, ngram; comma list; or 'all'")
+    p.add_argument("--model", default="smollm2", help="target: smollm2 (default), demo or an HF folder")
+    p.add_argument("--dtype", default="auto", help="target dtype (auto: the serving dtype, dspark.wiring)")
     p.add_argument("--traces", default=None,
-                   help="fit from a recorded trace JSONL instead of running the drafter")
+                   help="fit from a recorded trace JSONL (dspark.tools.traces), not a new run")
     p.add_argument("--gamma", type=int, default=15, help="drafted block length (the largest γ served)")
     p.add_argument("--n-prompts", type=int, default=12, help="held-out calibration prompts per domain")
     p.add_argument("--max-tokens", type=int, default=64)
@@ -270,82 +309,121 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--concurrency", type=int, default=12,
                    help="requests in flight (fixed:γ: per-request statistics as at batch 1)")
     p.add_argument("--results", default=None,
-                   help="folder for reliability_<drafter>.png and traces/calibration_<drafter>.jsonl")
+                   help="folder for reliability_<drafter><suffix>.png (default results/)")
+    p.add_argument("--traces-dir", default=None,
+                   help="where calibration_<drafter>.jsonl goes (default: the model's work folder)")
     p.add_argument("--no-write", action="store_true", help="report only; leave calibration.json alone")
 
 
-def collect_calibration_trace(target, spec: str, args: argparse.Namespace) -> tuple[BlockTrace, Path | None]:
+def model_spec(args: argparse.Namespace, capacity: int = 1, max_seq_len: int = 512, drafter: str = "none"):
+    """The wiring spec of a tool run (model alias or folder, serving dtype)."""
+    from dspark import wiring
+
+    return wiring.resolve(model=args.model, dtype=getattr(args, "dtype", "auto"), capacity=capacity,
+                          max_seq_len=max_seq_len, num_threads=args.threads, drafter=drafter)
+
+
+def results_suffix(spec) -> str:
+    """File-name suffix of a model's results: "" for the demo target, "_smollm2", or "_<folder>"."""
+    key = spec.model_key
+    return "" if key == "demo" else f"_{key}" if key else f"_{Path(spec.model).name}"
+
+
+def work_dir(spec) -> Path:
+    """The model's git-ignored work folder (traces, data)."""
+    from dspark.paths import DEMO, REPO_ROOT
+
+    return {"demo": DEMO / "work", "smollm2": REPO_ROOT / "build" / "smollm2" / "work"}.get(
+        spec.model_key or "", Path(spec.model).resolve().parent / (Path(spec.model).name + "-work"))
+
+
+def resolve_drafter(spec, name: str, target, gamma: int):
+    """(drafter, folder or None) for a drafter name of this model, a folder or ngram[:N]."""
+    from dspark import wiring
+
+    folder = wiring.drafter_folder(spec, name)
+    return build_drafter(name if folder is None else str(folder), target, gamma)
+
+
+def model_drafters(spec) -> list[str]:
+    """The trained drafter names shipped for this model."""
+    from dspark import wiring
+
+    root = wiring.DRAFTER_DIRS.get(spec.model_key or "")
+    if root is None or not root.is_dir():
+        return []
+    return sorted(p.name for p in root.iterdir() if (p / "model.safetensors").is_file())
+
+
+def collect_calibration_trace(target, spec, name: str,
+                              args: argparse.Namespace) -> tuple[BlockTrace, Path | None]:
     """Run a drafter at fixed γ on the held-out calibration prompts of every domain."""
     from tqdm import tqdm
 
     from dspark.runtime.engine import SpecEngine
+    from dspark.tools.prompts import heldout_prompts, model_domains
 
-    drafter, folder = build_drafter(spec, target, gamma=args.gamma)
+    drafter, folder = resolve_drafter(spec, name, target, args.gamma)
     recorder = RecordingDrafter(drafter)
     engine = SpecEngine(target, recorder, policy=f"fixed:{drafter.gamma}")  # scheduler off
-    texts = [t for d in ("code", "math", "prose") for t in split_prompts(d, args.n_prompts, calibration=True)]
+    texts = [t for d in model_domains(spec.model_key)
+             for t in heldout_prompts(spec.model_key, "calibration", d, args.n_prompts)]
     prompts = [encode_prompt(target, text, args.max_prompt_tokens) for text in texts]
     params = [SamplingParams(temperature=args.temperature, seed=args.seed + i) for i in range(len(prompts))]
-    with tqdm(total=len(prompts), desc=f"calibrate {Path(spec).name}", unit="req") as bar:
+    with tqdm(total=len(prompts), desc=f"calibrate {Path(name).name}", unit="req") as bar:
         runs = run_requests(engine, recorder, prompts, args.max_tokens, params, args.concurrency,
                             on_done=lambda: bar.update(1))
-    return BlockTrace.from_rows([b for r in runs for b in r["blocks"]]), folder
-
-
-def _read_trace_file(path: str | Path) -> BlockTrace:
-    """Blocks from a JSONL of block rows, request rows {"blocks": [...]}, or simulator traces."""
-    rows = [json.loads(line) for line in open(path) if line.strip()]
-    return BlockTrace.from_rows([b for r in rows if "meta" not in r for b in r.get("blocks", [r])])
-
-
-def _save_trace(path: Path, trace: BlockTrace) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "w") as f:
-        for z, n, ell in zip(trace.conf_logits, trace.n_accepted, trace.n_verified):
-            f.write(json.dumps({"conf_logits": [round(float(v), 4) for v in z], "n_accepted": int(n),
-                                "n_verified": int(ell)}) + "\n")
+    rows = [dict(b, request=i) for i, r in enumerate(runs) for b in r["blocks"]]
+    return BlockTrace.from_rows(rows), folder
 
 
 def main(args: argparse.Namespace) -> int:
-    from dspark.paths import DEMO_DRAFTERS, RESULTS
+    from dspark import paths, wiring
+    from dspark.paths import RESULTS
 
     torch.set_num_threads(args.threads)
+    max_seq_len = args.max_prompt_tokens + args.max_tokens + args.gamma + 8
+    spec = model_spec(args, args.concurrency, max_seq_len)
+    suffix = results_suffix(spec)
     results = Path(args.results) if args.results else RESULTS
+    traces_dir = Path(args.traces_dir) if args.traces_dir else work_dir(spec) / "traces"
     specs = args.drafter.split(",")
     if specs == ["all"]:
-        specs = sorted(p.name for p in DEMO_DRAFTERS.iterdir() if (p / "model.safetensors").is_file())
+        specs = model_drafters(spec)
     target = None
-    for spec in specs:
+    for name in specs:
         if args.traces:
-            trace = _read_trace_file(args.traces)
-            folder = None if spec.startswith("ngram") else Path(spec)
+            trace = read_block_trace(args.traces)
+            folder = wiring.drafter_folder(spec, name)
         else:
             if target is None:
-                from dspark.runtime.target import TargetEngine
-
-                max_seq_len = args.max_prompt_tokens + args.max_tokens + args.gamma + 8
-                target = TargetEngine.from_pretrained(args.target, capacity=args.concurrency,
-                                                      max_seq_len=max_seq_len)
-            trace, folder = collect_calibration_trace(target, spec, args)
-        name = Path(spec).name
-        if not args.traces:
-            _save_trace(results / "traces" / f"calibration_{name}.jsonl", trace)
+                target = wiring.load_target(spec)
+            trace, folder = collect_calibration_trace(target, spec, name, args)
+        key = Path(name).name
         payload = calibrate_trace(trace)
-        payload.update({"ece_bins": ECE_BINS, "min_class": MIN_CLASS})
+        payload.update({"ece_bins": ECE_BINS, "min_class": MIN_CLASS, "model": spec.model})
         if args.traces:
-            payload["source_traces"] = str(args.traces)
+            payload["source_traces"] = paths.relative(args.traces)
         else:
+            trace_path = traces_dir / f"calibration_{key}.jsonl"
+            trace.save(trace_path, {"gamma": trace.gamma, "drafter": key, "model": spec.model,
+                                    "sampling_temperature": args.temperature,
+                                    "temperatures": [1.0] * trace.gamma,
+                                    "source": f"dspark calibrate: {key}, fixed:{trace.gamma}, calibration"})
             payload.update({"sampling_temperature": args.temperature, "n_prompts_per_domain": args.n_prompts,
                             "max_tokens": args.max_tokens, "max_prompt_tokens": args.max_prompt_tokens,
-                            "split": "held-out calibration prompts (calibrate.is_calibration_prompt)",
-                            "source_traces": f"results/traces/calibration_{name}.jsonl"})
-        print(f"{name}: STS on {len(trace)} blocks, γ = {trace.gamma}")
-        print(" k     T_k   ECE before  ECE after  AUROC before  AUROC after")
+                            "split": "held-out calibration prompts (dspark.tools.prompts.heldout_prompts)",
+                            "source_traces": paths.relative(trace_path)})
+        print(f"{key}: STS on {len(trace)} blocks, γ = {trace.gamma}")
+        print(" k     T_k   ECE before  ECE after  AUROC before  AUROC after  ECE affine")
         for k in range(trace.gamma):
             print(f"{k + 1:2d} {payload['sts_temperatures'][k]:7.3f}  {100 * payload['ece_before'][k]:9.2f}%"
                   f"  {100 * payload['ece_after'][k]:8.2f}%  {payload['auroc_before'][k]:12.3f}"
-                  f"  {payload['auroc_after'][k]:11.3f}")
-        plot_reliability(trace, payload["sts_temperatures"], name, results / f"reliability_{name}.png")
+                  f"  {payload['auroc_after'][k]:11.3f}"
+                  f"  {100 * payload['affine_ablation']['ece_after'][k]:9.2f}%")
+        plot_reliability(trace, payload["sts_temperatures"], key, results / f"reliability_{key}{suffix}.png")
         if folder is not None and not args.no_write:
             print(f"wrote {write_calibration(folder, payload)}")
     return 0
+
+

@@ -5,10 +5,14 @@ For every drafter × temperature × γ × domain it runs `SpecEngine` with the s
 blocks are exactly what batch 1 gives; `--concurrency` only packs requests into one
 forward for CPU efficiency) and measures τ (bonus included), per-position conditional
 acceptance, calibration (ECE / AUROC of the STS survival, before and after the drafter's
-stored temperatures) and a threshold sweep replayed from the recorded blocks. Eval prompts
-exclude the calibration split (`dspark.tools.calibrate.is_calibration_prompt`). Writes
-results/offline_eval.json, results/acceptance_by_position.png, results/threshold_sweep.png
-and the acceptance traces results/traces/<drafter>.jsonl."""
+stored temperatures) and a threshold sweep replayed from the recorded blocks. Prompts are
+the model's held-out eval split (`dspark.tools.prompts.heldout_prompts`; never the
+calibration split, never a source document the drafters were trained on for SmolLM2).
+Target and drafters are built through `dspark.wiring` (`--model smollm2 | demo | FOLDER`,
+drafter names of that model). Writes results/offline_eval<suffix>.json,
+results/acceptance_by_position<suffix>.png, results/threshold_sweep<suffix>.png (suffix
+"_smollm2" for SmolLM2, none for the demo target) and the acceptance traces
+(dspark.tools.traces format) under the model's git-ignored work folder."""
 
 from __future__ import annotations
 
@@ -22,27 +26,29 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from dspark.paths import DEMO_DRAFTERS, DEMO_TARGET, RESULTS
+from dspark import paths
+from dspark.paths import RESULTS
 from dspark.runtime.sampling import SamplingParams
 from dspark.tools import calibrate as cal
 from dspark.tools.metrics import conditional_acceptance, ece, sigmoid, survival, tau
 
-DOMAINS = ("code", "math", "prose")
 THRESHOLDS = [round(0.05 * i, 2) for i in range(20)] + [0.97, 0.99]
-# Names of the compared drafters (the ratio keys of offline_eval.json): first folder whose
-# name contains the tag wins.
-RATIO_PAIRS = {"dspark_markov_vs_dflash": ("markov", "dflash"), "dspark_markov_vs_eagle": ("markov", "eagle")}
+# Names of the compared drafters (the ratio keys of offline_eval.json): a drafter of exactly
+# that name, else the first whose name contains the tag.
+RATIO_PAIRS = {"dspark_markov_vs_dflash": ("dspark-markov", "dflash"),
+               "dspark_markov_vs_eagle": ("dspark-markov", "eagle"),
+               "dspark_own_context_vs_taps": ("dspark-own", "dspark-markov")}
 
 
 def temp_key(t: float) -> str:
     return f"T{t:g}"
 
 
-def shipped_drafters() -> list[str]:
-    """Drafter folders under build/demo/drafters with weights, by name."""
-    if not DEMO_DRAFTERS.is_dir():
-        return []
-    return sorted(p.name for p in DEMO_DRAFTERS.iterdir() if (p / "model.safetensors").is_file())
+def pick(results: dict, tag: str) -> str | None:
+    """The drafter named `tag`, else the first whose name contains it ("_" reads as "-")."""
+    norm = {n: n.replace("_", "-") for n in results}
+    exact = next((n for n in results if norm[n] == tag), None)
+    return exact or next((n for n in results if tag in norm[n]), None)
 
 
 def threshold_sweep(trace: cal.BlockTrace, temperatures: list[float] | None,
@@ -90,13 +96,14 @@ def ece_noise_floor(trace: cal.BlockTrace, temperatures: list[float] | None, dra
     return out
 
 
-def load_eval_prompts(domains: tuple[str, ...], n: int, prompts_file: str | None) -> dict[str, list[str]]:
-    """Domain -> eval prompt texts (the non-calibration split), or {"custom": file prompts}."""
+def load_eval_prompts(model_key: str | None, n: int, prompts_file: str | None) -> dict[str, list[str]]:
+    """Domain -> the model's held-out eval prompts, or {"custom": file prompts}."""
     from dspark.tools import prompts as prompt_sets
 
     if prompts_file:
         return {"custom": list(prompt_sets.load_prompts_jsonl(prompts_file))[:n]}
-    return {d: cal.split_prompts(d, n, calibration=False) for d in domains}
+    return {d: prompt_sets.heldout_prompts(model_key, "eval", d, n)
+            for d in prompt_sets.model_domains(model_key)}
 
 
 def _nan_to_none(x):
@@ -134,18 +141,19 @@ def run_matches(run: dict | None, plist: list[list[int]], max_tokens: int, seed:
 def evaluate_drafter(target, name: str, prompts: dict[str, list[list[int]]], gammas: list[int],
                      temperatures: list[float], max_tokens: int, seed: int, progress=None,
                      concurrency: int = 1, existing: dict | None = None, on_run=None,
-                     target_id: str = "") -> dict:
+                     target_id: str = "", spec=None) -> dict:
     """Every (γ, T, domain) run of one drafter, policy fixed:γ (scheduler off). Runs found
     in `existing` (recorded traces) with the same models and settings are kept, not rerun
     (target_id names the target's weights, see weights_id); on_run(out) is called after
     each new run. -> {"folder", "runs": {(γ, T, domain): {"gamma_effective", "requests":
     [per-request blocks], "wall_s", "models"}}} (existing runs of other settings kept too)."""
+    from dspark import wiring
     from dspark.runtime.engine import SpecEngine
 
     out: dict = {"folder": None, "runs": dict(existing["runs"]) if existing else {}}
     for temp in temperatures:
         for gamma in gammas:
-            drafter, folder = cal.build_drafter(name, target, gamma)
+            drafter, folder = cal.resolve_drafter(spec or wiring.Spec(), name, target, gamma)
             models = f"{target_id}/{weights_id(folder)}"
             todo = {d: p for d, p in prompts.items()
                     if not run_matches(out["runs"].get((gamma, temp, d)), p, max_tokens, seed, models)}
@@ -170,7 +178,8 @@ def evaluate_drafter(target, name: str, prompts: dict[str, list[list[int]]], gam
             for domain in todo:
                 requests = [{"prompt_index": i, "prompt_tokens": len(ids), "max_tokens": max_tokens,
                              "seed": seed + i, "emitted": r["emitted"], "verify_steps": r["verify_steps"],
-                             "finish_reason": r["finish_reason"], "blocks": r["blocks"]}
+                             "finish_reason": r["finish_reason"], "blocks": r["blocks"],
+                             "output": r.get("output")}
                             for (d, i, ids), r in zip(flat, done) if d == domain]
                 out["runs"][(gamma, temp, domain)] = {"gamma_effective": g_eff, "requests": requests,
                                                       "wall_s": wall, "models": models,
@@ -214,12 +223,57 @@ def bootstrap_mean_tau(domain_runs: list[dict], draws: int = 1000, seed: int = 0
     return total / len(domain_runs)
 
 
+TOKEN_CLASSES = ("newline", "indent", "space", "punct", "digit", "word", "subword", "special")
+
+
+def token_class(text: str, special: bool = False) -> str:
+    """A coarse class of a token's text, for `where_missed`."""
+    if special:
+        return "special"
+    if "\n" in text:
+        return "newline"
+    if text and not text.strip():
+        return "indent" if len(text) > 1 else "space"
+    core = text.strip()
+    if core.isdigit():
+        return "digit"
+    if core and all(not c.isalnum() for c in core):
+        return "punct"
+    return "word" if text[:1] == " " or core[:1].isupper() else "subword"
+
+
+def where_missed(requests: list[dict], tokenizer) -> dict:
+    """Which target tokens the drafter got (accepted drafts) and which it missed (the token
+    the target emitted at a rejection: a correction), by token class. Each block of n
+    accepted drafts emits output tokens n accepted + 1 corrected-or-bonus; the bonus (all ℓ
+    accepted) is neither. -> {class: {"accepted", "missed", "rate"}} (rate = accepted share)."""
+    specials = {i for i in range(tokenizer.get_vocab_size()) if (t := tokenizer.id_to_token(i)) and
+                t.startswith("<|") and t.endswith("|>")} if tokenizer is not None else set()
+    counts = {c: [0, 0] for c in TOKEN_CLASSES}
+    for q in requests:
+        out = q.get("output")
+        if not out:
+            continue
+        pos = 1  # output[0] came from the prefill
+        for b in q["blocks"]:
+            n, ell = b["n_accepted"], b["n_verified"]
+            toks = out[pos:pos + n + 1]
+            for j, tok in enumerate(toks):
+                if j < n:
+                    counts[token_class(tokenizer.decode([tok]), tok in specials)][0] += 1
+                elif n < ell:  # the corrected token: the drafter's d_{n+1} was rejected here
+                    counts[token_class(tokenizer.decode([tok]), tok in specials)][1] += 1
+            pos += n + 1
+    return {c: {"accepted": a, "missed": m, "rate": a / (a + m) if a + m else None}
+            for c, (a, m) in counts.items()}
+
+
 def summarise(results: dict[str, dict], gammas: list[int], temperatures: list[float],
-              domains: list[str]) -> dict:
+              domains: list[str], tokenizer=None) -> dict:
     """The offline_eval.json payload from per-drafter runs; STS temperatures are read from
     each drafter folder now (τ at fixed γ does not depend on them, ECE and sweeps do)."""
     summary: dict = {"tau": {}, "ece": {}, "acceptance_by_position": {}, "threshold_sweep": {},
-                     "fixed_sweep": {}, "ratios": {}, "ratios_detail": {}, "runs": {}}
+                     "fixed_sweep": {}, "ratios": {}, "ratios_detail": {}, "runs": {}, "where_missed": {}}
     g_cal, t_cal = max(gammas), (1.0 if 1.0 in temperatures else temperatures[0])
     for name, res in results.items():
         runs = res["runs"]
@@ -232,6 +286,8 @@ def summarise(results: dict[str, dict], gammas: list[int], temperatures: list[fl
                 stats = {d: run_stats([runs[(gamma, temp, d)]]) for d in domains}
                 tau_d[gk][tk] = {d: s["tau"] for d, s in stats.items()}
                 tau_d[gk][tk]["mean"] = float(np.mean([s["tau"] for s in stats.values()]))
+                draws = bootstrap_mean_tau([runs[(gamma, temp, d)] for d in domains])
+                tau_d[gk][tk]["mean_ci95"] = np.percentile(draws, [2.5, 97.5]).tolist()
                 pooled = run_stats([runs[(gamma, temp, d)] for d in domains])
                 acc_d[gk][tk] = {"all": pooled["cond_acceptance"],
                                  **{d: s["cond_acceptance"] for d, s in stats.items()}}
@@ -255,15 +311,22 @@ def summarise(results: dict[str, dict], gammas: list[int], temperatures: list[fl
                 "sts_temperatures": sts, "before": before["ece"], "after": after["ece"],
                 "auroc_before": before["auroc"], "auroc_after": after["auroc"],
                 "noise_floor_after": ece_noise_floor(trace, temps)}
+            affine = cal.read_affine(res.get("folder"))
+            if affine is not None:  # the affine-STS ablation, parameters fitted by `dspark calibrate`
+                params = (affine + [affine[-1]] * trace.gamma)[:trace.gamma]
+                summary["ece"][name]["affine_ablation_after"] = cal.affine_report(trace, params)
+        if tokenizer is not None:  # γ = min(gammas), T = 0: where the greedy drafts go wrong
+            g0, t0 = min(gammas), (0.0 if 0.0 in temperatures else temperatures[-1])
+            summary["where_missed"][name] = {"gamma": g0, "temperature": t0, **{
+                d: where_missed(runs[(g0, t0, d)]["requests"], tokenizer) for d in domains}}
         sweep_blocks = run_stats([runs[(g_cal, t_cal, d)] for d in domains])["blocks"]
         if sweep_blocks:
             trace = cal.BlockTrace.from_rows(sweep_blocks)
             summary["threshold_sweep"][name] = threshold_sweep(trace, cal.pad_temperatures(sts, trace.gamma))
             summary["fixed_sweep"][name] = fixed_sweep(trace)
     for key, (num_tag, den_tag) in RATIO_PAIRS.items():
-        num = next((n for n in results if num_tag in n), None)
-        den = next((n for n in results if den_tag in n), None)
-        if num is None or den is None:
+        num, den = pick(results, num_tag), pick(results, den_tag)
+        if num is None or den is None or num == den:
             continue
         summary["ratios"][key] = {}
         summary["ratios_detail"][key] = {"numerator": num, "denominator": den}
@@ -272,7 +335,7 @@ def summarise(results: dict[str, dict], gammas: list[int], temperatures: list[fl
             for temp in temperatures:
                 tk = temp_key(temp)
                 a, b = summary["tau"][num][gk][tk], summary["tau"][den][gk][tk]
-                detail = {d: a[d] / b[d] for d in a if b.get(d)}
+                detail = {d: a[d] / b[d] for d in a if not isinstance(a[d], list) and b.get(d)}
                 draws = [bootstrap_mean_tau([results[n]["runs"][(gamma, temp, d)] for d in domains])
                          for n in (num, den)]
                 detail["mean_ci95"] = np.percentile(draws[0] / draws[1], [2.5, 97.5]).tolist()
@@ -402,9 +465,11 @@ def plot_threshold_sweep(summary: dict, path: Path) -> None:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--target", default=str(DEMO_TARGET), help="target HF folder (default: the demo target)")
+    p.add_argument("--model", default="smollm2",
+                   help="target: smollm2 (default), demo (10M demo target) or a Hugging Face folder")
+    p.add_argument("--dtype", default="auto", help="target dtype (auto: the serving dtype, dspark.wiring)")
     p.add_argument("--drafters", default=None,
-                   help="comma list of drafter folder names / paths and 'ngram' (default: shipped + ngram)")
+                   help="comma list of the model's drafter names, folders, 'ngram' (default: all + ngram)")
     p.add_argument("--prompts", default=None, help="FILE.jsonl of {'turns': [...]} or {'prompt': ...} lines")
     # Defaults sized for the shared 2-core CPU: 6 drafters x 2 T x 2 γ x 3 domains took 7.5 min
     # on the demo target at load ~2 (expect ~20 min when the machine is busy).
@@ -419,8 +484,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--concurrency", type=int, default=12,
                    help="requests in flight (1 = literal batch 1). Under fixed:γ each request keeps its own "
                         "ℓ, generator and acceptance, so this changes CPU efficiency, not the statistics")
-    p.add_argument("--out", default=str(RESULTS / "offline_eval.json"))
-    p.add_argument("--traces-dir", default=None, help="default: <out dir>/traces")
+    p.add_argument("--out", default=None, help="default: results/offline_eval<suffix>.json")
+    p.add_argument("--traces-dir", default=None, help="default: the model's work folder /traces")
     p.add_argument("--reuse-traces", action="store_true",
                    help="take a drafter's runs from its trace file when it holds exactly this config")
 
@@ -428,7 +493,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def main(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
-    from dspark.runtime.target import TargetEngine
+    from dspark import wiring
 
     torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
@@ -436,13 +501,15 @@ def main(args: argparse.Namespace) -> int:
         args.n_prompts, args.max_tokens = 1, 12
     gammas = [int(g) for g in args.gammas.split(",")]
     temperatures = [float(t) for t in args.temperatures.split(",")]
-    names = args.drafters.split(",") if args.drafters else shipped_drafters() + ["ngram"]
-    out_path = Path(args.out)
-    traces_dir = Path(args.traces_dir) if args.traces_dir else out_path.parent / "traces"
     max_seq_len = args.max_prompt_tokens + args.max_tokens + max(gammas) + 8
-    target = TargetEngine.from_pretrained(args.target, capacity=args.concurrency, max_seq_len=max_seq_len)
-    target_id = weights_id(args.target)
-    texts = load_eval_prompts(DOMAINS, args.n_prompts, args.prompts)
+    spec = cal.model_spec(args, args.concurrency, max_seq_len)
+    suffix = cal.results_suffix(spec)
+    names = args.drafters.split(",") if args.drafters else cal.model_drafters(spec) + ["ngram"]
+    out_path = Path(args.out) if args.out else RESULTS / f"offline_eval{suffix}.json"
+    traces_dir = Path(args.traces_dir) if args.traces_dir else cal.work_dir(spec) / "traces"
+    target = wiring.load_target(spec)
+    target_id = weights_id(wiring.model_folder(spec.model))
+    texts = load_eval_prompts(spec.model_key, args.n_prompts, args.prompts)
     prompts = {d: [cal.encode_prompt(target, t, args.max_prompt_tokens) for t in ts]
                for d, ts in texts.items()}
     total = len(names) * len(gammas) * len(temperatures) * sum(len(v) for v in prompts.values())
@@ -457,25 +524,27 @@ def main(args: argparse.Namespace) -> int:
             results[key] = evaluate_drafter(target, name, prompts, gammas, temperatures, args.max_tokens,
                                             args.seed, bar, args.concurrency, existing=old,
                                             on_run=lambda res, p=runs_path, k=key: write_runs(p, k, res),
-                                            target_id=target_id)
+                                            target_id=target_id, spec=spec)
             write_runs(runs_path, key, results[key])
-    summary = summarise(results, gammas, temperatures, list(prompts))
-    summary["config"] = {"target": str(args.target), "drafters": list(results), "gammas": gammas,
+    summary = summarise(results, gammas, temperatures, list(prompts), target.tokenizer)
+    summary["config"] = {"model": spec.model, "dtype": str(target.dtype).removeprefix("torch."),
+                         "drafters": list(results), "gammas": gammas,
                          "temperatures": temperatures, "n_prompts_per_domain": args.n_prompts,
                          "max_tokens": args.max_tokens, "max_prompt_tokens": args.max_prompt_tokens,
-                         "prompts": args.prompts or "builtin sets minus the calibration split",
+                         "prompts": args.prompts or "the model's held-out eval split (dspark.tools.prompts)",
                          "domains": list(prompts), "policy": "fixed:γ (scheduler off)",
-                         "concurrency": args.concurrency,
+                         "concurrency": args.concurrency, "traces": paths.relative(traces_dir),
                          "seed": args.seed, "threads": args.threads,
                          "wall_s": round(time.perf_counter() - t0, 1)}
     out_path.parent.mkdir(parents=True, exist_ok=True)
     out_path.write_text(json.dumps(_nan_to_none(summary), indent=1) + "\n")
     for key, res in results.items():
-        write_sim_traces(traces_dir, key, res, list(prompts), str(args.target))
-    plot_acceptance(summary, out_path.parent / "acceptance_by_position.png", max(gammas), temperatures)
-    plot_threshold_sweep(summary, out_path.parent / "threshold_sweep.png")
+        write_sim_traces(traces_dir, key, res, list(prompts), spec.model)
+    plot_acceptance(summary, out_path.parent / f"acceptance_by_position{suffix}.png", max(gammas),
+                    temperatures)
+    plot_threshold_sweep(summary, out_path.parent / f"threshold_sweep{suffix}.png")
     print_table(summary, gammas, temperatures)
-    print(f"wrote {out_path}, plots and traces in {traces_dir} ({summary['config']['wall_s']} s)")
+    print(f"wrote {out_path}, plots, and traces in {traces_dir} ({summary['config']['wall_s']} s)")
     return 0
 
 
@@ -483,7 +552,9 @@ def print_table(summary: dict, gammas: list[int], temperatures: list[float]) -> 
     for name, by_gamma in summary["tau"].items():
         for gk, by_t in by_gamma.items():
             for tk, row in by_t.items():
-                cells = " ".join(f"{d}={v:.2f}" for d, v in row.items())
+                cells = " ".join(f"{d}={v:.2f}" for d, v in row.items() if not isinstance(v, list))
+                if "mean_ci95" in row:
+                    cells += " (95% CI {:.2f}-{:.2f})".format(*row["mean_ci95"])
                 print(f"tau {name:>16} {gk:>8} {tk:>3}: {cells}")
     for key, r in summary["ratios"].items():
         print(f"{key}: " + " ".join(f"{g}={v:.3f}" for g, v in r.items()))

@@ -1,14 +1,18 @@
-"""Drafter traces: what the serving simulator replays (docs/architecture.md §7), and a synthetic generator.
+"""Drafter traces: THE block-trace format (recorded by `dspark eval` / `dspark calibrate`, fitted
+by STS, replayed by the serving simulator, docs/architecture.md §7), and a synthetic generator.
 
 File format (JSONL, one object per line):
   optional first line  {"meta": {"gamma": γ, "temperatures": [T_1..T_γ], "source": "...", ...}}
   then one line per drafted block, in drafting order within each request:
-    {"request": <int id>, "conf_logits": [z_1..z_γ], "accepted": n}
+    {"request": <int id>, "conf_logits": [z_1..z_γ], "accepted": n, "verified": ℓ}
   `conf_logits` are the drafter's RAW confidence logits of the block (STS is applied on
-  load with meta.temperatures, default all 1); `accepted` is how many leading draft
-  tokens the lossless verifier accepted when ALL γ were verified (0..γ).
+  load with meta.temperatures, default all 1); `accepted` is how many leading draft tokens
+  the lossless verifier accepted (0..ℓ); `verified` is how many drafts the target verified
+  (ℓ ≤ γ; omitted = γ, e.g. fixed:γ away from the end of a request).
+In memory: `BlockTrace` (every block, for calibration and acceptance statistics) and
+`TraceSet` (the simulator's view: STS survival of the fully verified blocks, per request).
 How to record (the eval / engine side): run the drafter with policy fixed:γ and log, per
-request and step, the block's conf_logits and the verifier's accepted count.
+request and step, the block's conf_logits and the verifier's accepted / verified counts.
 
 Replay rule: with ℓ tokens verified the request gains min(accepted, ℓ) + 1 tokens. This is
 exact for the block (coupled uniforms: the accept test of d_j does not depend on ℓ as long
@@ -18,13 +22,83 @@ as j ≤ ℓ); later blocks are replayed as recorded, an approximation once ℓ 
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 import torch
 
 from dspark.runtime.scheduler import sts_survival
+
+
+@dataclass
+class BlockTrace:
+    """Per drafted block (one verify step of one request) at fixed γ."""
+
+    conf_logits: np.ndarray  # [N, γ] f64, confidence logits z_k
+    n_accepted: np.ndarray  # [N] i64, accepted draft tokens (prefix survival)
+    n_verified: np.ndarray  # [N] i64, draft tokens the target verified (γ unless capped near the end)
+    request_ids: np.ndarray | None = None  # [N] i64, the request each block belongs to
+    meta: dict = field(default_factory=dict)
+
+    @property
+    def gamma(self) -> int:
+        return int(self.conf_logits.shape[1])
+
+    def __len__(self) -> int:
+        return int(self.conf_logits.shape[0])
+
+    @classmethod
+    def from_rows(cls, rows: list[dict], meta: dict | None = None) -> BlockTrace:
+        """Block rows {"conf_logits": [γ], "accepted" | "n_accepted": n, "verified" | "n_verified": ℓ,
+        "request": id} (all the same γ; ℓ defaults to γ). ValueError on an empty trace."""
+        if not rows:
+            raise ValueError("empty trace")
+        z = np.asarray([r["conf_logits"] for r in rows], dtype=np.float64)
+        n = np.asarray([r.get("accepted", r.get("n_accepted")) for r in rows], dtype=np.int64)
+        ell = np.asarray([r.get("verified", r.get("n_verified", z.shape[1])) for r in rows], dtype=np.int64)
+        ids = np.asarray([r.get("request", 0) for r in rows], dtype=np.int64)
+        return cls(z, n, ell, ids, dict(meta or {}))
+
+    def save(self, path: str | Path, meta: dict | None = None) -> Path:
+        """Write the trace in the file format above (meta: merged over self.meta)."""
+        ids = self.request_ids if self.request_ids is not None else np.zeros(len(self), dtype=np.int64)
+        return save_traces(path, self.conf_logits, self.n_accepted, ids, {**self.meta, **(meta or {})},
+                           verified=self.n_verified)
+
+    def full(self) -> BlockTrace:
+        """The blocks whose γ drafts were all verified (what the simulator can replay)."""
+        keep = self.n_verified == self.gamma
+        ids = None if self.request_ids is None else self.request_ids[keep]
+        return BlockTrace(self.conf_logits[keep], self.n_accepted[keep], self.n_verified[keep], ids,
+                          self.meta)
+
+
+def read_block_trace(path: str | Path) -> BlockTrace:
+    """Every block of a trace file (the format above). Also reads request rows
+    {"blocks": [...]} (`dspark eval`'s runs files). ValueError names a bad line."""
+    meta, rows, request = {}, [], 0
+    with Path(path).open() as f:
+        for line_no, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            row = json.loads(line)
+            if "meta" in row:
+                meta = row["meta"]
+                continue
+            blocks = [dict(b, request=request) for b in row["blocks"]] if "blocks" in row else [row]
+            request += "blocks" in row
+            for b in blocks:
+                if "conf_logits" not in b or ("accepted" not in b and "n_accepted" not in b):
+                    raise ValueError(f"{path}:{line_no}: bad trace line (needs conf_logits and accepted)")
+            rows += blocks
+    if not rows:
+        raise ValueError(f"{path}: no trace blocks")
+    trace = BlockTrace.from_rows(rows, meta)
+    if trace.n_accepted.min() < 0 or (trace.n_accepted > trace.n_verified).any() or \
+            trace.n_verified.max() > trace.gamma:
+        raise ValueError(f"{path}: accepted must be in [0, verified] and verified in [0, {trace.gamma}]")
+    return trace
 
 
 @dataclass
@@ -57,42 +131,35 @@ def _group(conf_logits: np.ndarray, accepted: np.ndarray, request_ids: np.ndarra
 
 
 def save_traces(path: str | Path, conf_logits: np.ndarray, accepted: np.ndarray, request_ids: np.ndarray,
-                meta: dict | None = None) -> None:
+                meta: dict | None = None, verified: np.ndarray | None = None) -> Path:
+    """Write blocks in the trace format (verified omitted where it equals γ)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
+    gamma = int(np.asarray(conf_logits).shape[1])
+    ver = np.full(len(accepted), gamma) if verified is None else np.asarray(verified)
     with path.open("w") as f:
         if meta:
             f.write(json.dumps({"meta": meta}) + "\n")
-        for rid, z, n in zip(request_ids.tolist(), conf_logits.tolist(), accepted.tolist()):
+        for rid, z, n, ell in zip(np.asarray(request_ids).tolist(), np.asarray(conf_logits).tolist(),
+                                  np.asarray(accepted).tolist(), ver.tolist()):
             row = {"request": rid, "conf_logits": [round(v, 5) for v in z], "accepted": n}
+            if ell != gamma:
+                row["verified"] = ell
             f.write(json.dumps(row) + "\n")
+    return path
 
 
 def load_traces(path: str | Path) -> TraceSet:
-    meta, logits, accepted, ids = {}, [], [], []
-    with Path(path).open() as f:
-        for line_no, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            row = json.loads(line)
-            if "meta" in row:
-                meta = row["meta"]
-                continue
-            try:
-                logits.append(row["conf_logits"])
-                accepted.append(int(row["accepted"]))
-                ids.append(int(row.get("request", 0)))
-            except (KeyError, TypeError, ValueError) as e:
-                raise ValueError(f"{path}:{line_no}: bad trace line ({e})") from e
-    if not logits:
-        raise ValueError(f"{path}: no trace blocks")
-    conf = np.asarray(logits, dtype=np.float32)
-    gamma = conf.shape[1]
-    acc = np.asarray(accepted, dtype=np.int64)
-    if acc.min() < 0 or acc.max() > gamma:
-        raise ValueError(f"{path}: accepted must be in [0, {gamma}]")
-    temps = np.asarray(meta.get("temperatures", [1.0] * gamma), dtype=np.float32)
-    return _group(conf, acc, np.asarray(ids, dtype=np.int64), temps, str(meta.get("source", path)))
+    """The simulator's view of a trace file: the fully verified blocks, STS applied with the
+    file's meta.temperatures (default 1)."""
+    if not Path(path).is_file():  # traces are not in git: regenerate them
+        raise FileNotFoundError(f"no trace file {path}: `dspark eval` writes results/traces/<drafter>.jsonl")
+    trace = read_block_trace(path).full()
+    if not len(trace):
+        raise ValueError(f"{path}: no fully verified blocks to replay")
+    temps = np.asarray(trace.meta.get("temperatures", [1.0] * trace.gamma), dtype=np.float32)
+    return _group(trace.conf_logits.astype(np.float32), trace.n_accepted, trace.request_ids, temps,
+                  str(trace.meta.get("source", path)))
 
 
 def synthetic_traces(num_requests: int = 512, blocks_per_request: int = 64, gamma: int = 7, seed: int = 0,

@@ -31,26 +31,38 @@ import torch.nn.functional as F
 from torch import nn
 from tqdm import tqdm
 
-from dspark.paths import DEMO, DEMO_DRAFTERS, DEMO_TARGET, RESULTS
+from dspark.paths import DEMO, REPO_ROOT, RESULTS
+
+SMOLLM2_BUILD = REPO_ROOT / "build" / "smollm2"
 
 DEFAULT_DATA = DEMO / "work" / "drafter_data"
 KINDS = ("dspark", "eagle", "draft_lm")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--target", type=Path, default=DEMO_TARGET, help="target HF folder")
-    p.add_argument("--data", type=Path, default=DEFAULT_DATA, help="data folder (shards + features)")
+    p.add_argument("--model", default="smollm2",
+                   help="target: smollm2 (default), demo (10M demo target) or a Hugging Face folder")
+    p.add_argument("--dtype", default="auto", help="target dtype (auto: the serving dtype, dspark.wiring)")
+    p.add_argument("--data", type=Path, default=None,
+                   help="data folder (default: build/<model>/work/drafter_data)")
     g = p.add_argument_group("data generation (--make-data)")
     g.add_argument("--make-data", action="store_true", help="generate the data folder and exit")
+    g.add_argument("--corpus", type=Path, default=None,
+                   help="chat prompt corpus split (smollm2 default: build/smollm2/work/corpus/train.jsonl)")
     g.add_argument("--token-dir", type=Path, default=DEMO / "work" / "tokens",
-                   help="corpus token streams {domain}.train.bin")
+                   help="demo target: corpus token streams {domain}.train.bin")
     g.add_argument("--n-per-domain", type=int, default=100)
     g.add_argument("--max-new", type=int, default=128)
-    g.add_argument("--min-prompt", type=int, default=16)
-    g.add_argument("--max-prompt", type=int, default=64)
-    g.add_argument("--gen-batch", type=int, default=50)
+    g.add_argument("--min-prompt", type=int, default=16, help="demo target: prompt window tokens")
+    g.add_argument("--max-prompt", type=int, default=64,
+                   help="demo target: prompt window tokens; chat corpus: the longest prompt kept")
+    g.add_argument("--gen-batch", type=int, default=50, help="requests decoded together (target slots)")
+    g.add_argument("--chunk", type=int, default=None, help="prompts per resumable shard (2 x gen-batch)")
     g.add_argument("--t1-share", type=float, default=0.0,
                    help="share of prompts continued at plain T=1 instead of T 0.7/top-p 0.8/top-k 20")
+    g.add_argument("--greedy-share", type=float, default=0.0, help="share of prompts continued greedily")
+    g.add_argument("--prompt-offset", type=int, default=0,
+                   help="chat corpus: skip this many prompts per domain (a second, disjoint data folder)")
     m = p.add_argument_group("model")
     m.add_argument("--kind", choices=KINDS, default="dspark")
     m.add_argument("--head", choices=("markov", "rnn", "none"), default="markov")
@@ -58,6 +70,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     m.add_argument("--layers", type=int, default=2, help="backbone layers (dspark) / draft LM layers")
     m.add_argument("--intermediate", type=int, default=512, help="MLP width of drafter layers")
     m.add_argument("--head-rank", type=int, default=64)
+    m.add_argument("--tap-norm", action=argparse.BooleanOptionalAction, default=True,
+                   help="scale each tap channel by 1/RMS over the training data before the drafter's fc "
+                        "(fixed, saved with the drafter; SmolLM2 has channels 30-100x larger than the rest)")
+    m.add_argument("--norm-init-scale", type=float, default=1.0,
+                   help="start the drafter's final norm at this multiple of the target's (smaller = "
+                        "softer initial logits)")
+    m.add_argument("--context", choices=("taps", "own"), default="taps",
+                   help="dspark: context from the target's taps, or the drafter's own token encoder")
+    m.add_argument("--context-layers", type=int, default=1, help="layers of the own context encoder")
+    m.add_argument("--context-intermediate", type=int, default=None,
+                   help="MLP width of the own context encoder (default: --intermediate)")
     m.add_argument("--block-size", type=int, default=15, help="G: trained block / unrolled steps (max γ)")
     m.add_argument("--gamma", type=int, default=7, help="default γ stored with the drafter")
     m.add_argument("--save-dtype", choices=("float32", "float16"), default="float16")
@@ -74,6 +97,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     t.add_argument("--alpha-conf", type=float, default=1.0)
     t.add_argument("--seed", type=int, default=0)
     t.add_argument("--threads", type=int, default=2)
+    t.add_argument("--precision", choices=("bf16", "fp32"), default="bf16",
+                   help="autocast dtype of the forward (bf16: AMX matmuls on the CPU; master weights fp32)")
+    t.add_argument("--exclude-modes", default="",
+                   help="comma list of data modes to leave out (recipe, t1, greedy): data ablations")
     t.add_argument("--out", type=Path, default=None, help="drafter folder (build/demo/drafters/NAME)")
     t.add_argument("--work", type=Path, default=None, help="checkpoints (build/demo/work/train/NAME)")
     t.add_argument("--ckpt-every", type=int, default=50)
@@ -92,23 +119,41 @@ def default_name(kind: str, head: str) -> str:
 # ---------------------------------------------------------------- models
 
 
-def build_model(args, target_model, target_cfg, tap_layers: list[int]) -> nn.Module:
-    """A fresh drafter of `args.kind` sized from the target; shared weights attached."""
+def tap_channel_scale(taps: torch.Tensor, rows: int = 100_000, seed: int = 0) -> torch.Tensor:
+    """1 / RMS of each tap channel over a sample of training rows [tap_dim], leaving out the
+    attention-sink rows (row norm above 20x the median: their few channels reach ~25k)."""
+    g = torch.Generator().manual_seed(seed)
+    idx = torch.randint(0, taps.shape[0], (min(rows, taps.shape[0]),), generator=g).sort().values
+    x = taps[idx].float()
+    norm = x.norm(dim=1)
+    x = x[norm < 20 * norm.median()]
+    return 1.0 / x.pow(2).mean(0).sqrt().clamp_min(1e-3)
+
+
+def build_model(args, target_model, target_cfg, tap_layers: list[int],
+                tap_scale: torch.Tensor | None = None) -> nn.Module:
+    """A fresh drafter of `args.kind` sized from the target; shared weights attached;
+    `tap_scale` [tap_dim] sets the per-channel tap normalisation (config tap_norm)."""
     d = target_cfg.hidden_size
     embed = target_model.embed_tokens.weight
     lm_head = embed if target_model.lm_head_proj is None else target_model.lm_head_proj.weight
-    mask_id = _mask_token_id(getattr(args, "target", None))
-    common = dict(vocab_size=target_cfg.vocab_size, hidden_size=d, tap_dim=len(tap_layers) * d,
+    mask_id = _mask_token_id(getattr(args, "model_folder", None))
+    own = args.kind == "dspark" and getattr(args, "context", "taps") == "own"
+    tap_norm = tap_scale is not None and not own and args.kind in ("dspark", "eagle")
+    common = dict(vocab_size=target_cfg.vocab_size, hidden_size=d, tap_dim=d if own else len(tap_layers) * d,
                   num_heads=target_cfg.num_attention_heads, num_kv_heads=target_cfg.num_key_value_heads,
                   head_dim=target_cfg.head_dim, intermediate_size=args.intermediate,
                   rms_norm_eps=target_cfg.rms_norm_eps, rope_theta=target_cfg.rope_theta,
                   block_size=args.block_size, gamma=min(args.gamma, args.block_size),
-                  tap_layers=list(tap_layers))
+                  tap_layers=list(tap_layers), tap_norm=tap_norm)
     if args.kind == "dspark":
         from dspark.runtime.drafter.dspark_drafter import DSparkConfig, DSparkModel
 
+        own_cfg = {"context": getattr(args, "context", "taps"),
+                   "context_layers": getattr(args, "context_layers", 1),
+                   "context_intermediate_size": getattr(args, "context_intermediate", None)}
         model = DSparkModel(DSparkConfig(**common, num_layers=args.layers, head=args.head,
-                                         head_rank=args.head_rank))
+                                         head_rank=args.head_rank, **own_cfg))
     elif args.kind == "eagle":
         from dspark.runtime.drafter.eagle import EagleConfig, EagleModel
 
@@ -120,16 +165,48 @@ def build_model(args, target_model, target_cfg, tap_layers: list[int]) -> nn.Mod
         model.config = cfg
         return model
     model.init_from_target(embed, target_model.norm.weight, mask_id)
+    with torch.no_grad():
+        model.norm.weight.mul_(getattr(args, "norm_init_scale", 1.0))
+    if tap_norm:
+        with torch.no_grad():
+            model.tap_scale.copy_(tap_scale)
     model.attach_shared(embed, lm_head)
     return model
 
 
 def _mask_token_id(target_dir) -> int | None:
     """Id of "<|mask|>" in the target's tokenizer (the learned mask embedding starts there)."""
-    from dspark.runtime.loader import load_tokenizer
+    from dspark.runtime.text import load_tokenizer
 
-    tok = load_tokenizer(target_dir) if target_dir is not None else None
+    # a weights-only target has no tokenizer, hence no mask id
+    tok = load_tokenizer(target_dir, optional=True) if target_dir is not None else None
     return tok.token_to_id("<|mask|>") if tok is not None else None
+
+
+class CeTv(torch.autograd.Function):
+    """Per row: CE(p_d, target) and TV(p_d, p_t) = ½‖p_d − p_t‖₁ with p_d = softmax(logits_d),
+    p_t = softmax(logits_t) (no gradient), in float32 with few vocabulary-wide passes and
+    buffers: the V = 49152 rows dominate a training step on the CPU. Gradient w.r.t. the
+    drafter logits: g_ce·(p_d − onehot) + g_tv·½·p_d ⊙ (s − ⟨p_d, s⟩), s = sign(p_d − p_t)."""
+
+    @staticmethod
+    def forward(ctx, logits_d: torch.Tensor, logits_t: torch.Tensor, target: torch.Tensor):
+        p_d = torch.softmax(logits_d.float(), -1)  # (the fast CPU kernel; logsumexp is ~5x slower)
+        ce = -p_d.gather(-1, target[:, None])[:, 0].clamp_min(torch.finfo(torch.float32).tiny).log()
+        diff = torch.softmax(logits_t.float(), -1).neg_().add_(p_d)  # p_d − p_t
+        tv = 0.5 * torch.linalg.vector_norm(diff, ord=1, dim=-1)
+        ctx.save_for_backward(p_d, diff.sign_(), target)
+        ctx.in_dtype = logits_d.dtype
+        return ce, tv
+
+    @staticmethod
+    def backward(ctx, g_ce: torch.Tensor, g_tv: torch.Tensor):
+        p_d, s, target = ctx.saved_tensors
+        dot = torch.bmm(p_d[:, None, :], s[:, :, None])[:, :, 0]  # ⟨p_d, s⟩ [R, 1]
+        grad = s.sub_(dot).mul_(p_d).mul_(0.5 * g_tv[:, None])
+        grad.addcmul_(p_d, g_ce[:, None])
+        grad.scatter_add_(-1, target[:, None], -g_ce[:, None])
+        return grad.to(ctx.in_dtype), None, None
 
 
 class DrafterLoss(nn.Module):
@@ -182,11 +259,9 @@ class DrafterLoss(nn.Module):
             else:
                 conf = self.model.conf_logit(h_sel)
         w = torch.exp(-k0.float() / self.decay_lambda)
-        logits_t = F.linear(h_t.float(), self.lm_head_weight.float())
-        logp_d = F.log_softmax(logits_d.float(), -1)
-        p_d, p_t = logp_d.exp(), F.softmax(logits_t, -1)
-        ce = F.nll_loss(logp_d, target_tok, reduction="none")
-        tv = 0.5 * (p_d - p_t).abs().sum(-1)
+        with torch.no_grad():
+            logits_t = F.linear(h_t.to(logits_d.dtype), self.lm_head_weight.to(logits_d.dtype))
+        ce, tv = CeTv.apply(logits_d, logits_t, target_tok)
         a_ce, a_tv, a_conf = self.alphas
         loss = a_ce * ce + a_tv * tv
         n_pos = 1 if self.kind == "draft_lm" else self.model.config.block_size
@@ -207,11 +282,14 @@ class DrafterLoss(nn.Module):
 
 
 def sample_step(step: int, seed: int, lengths: torch.Tensor, loss_mask: torch.Tensor, batch: int,
-                n_anchors: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The global batch of `step` (same on every rank): sequence ids [B] and anchors [B, nb]
-    (valid anchors first; a sequence with fewer valid anchors repeats them)."""
+                n_anchors: int, pool: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The global batch of `step` (same on every rank): sequence ids [B] (drawn from `pool`,
+    default all) and anchors [B, nb] (valid anchors first; a sequence with fewer valid anchors
+    repeats them)."""
     gen = torch.Generator().manual_seed(seed * 1_000_003 + step)
-    ids = torch.randint(0, lengths.numel(), (batch,), generator=gen)
+    n = lengths.numel() if pool is None else pool.numel()
+    ids = torch.randint(0, n, (batch,), generator=gen)
+    ids = ids if pool is None else pool[ids]
     m = loss_mask[ids]
     valid = m.clone()
     valid[:, :-1] &= m[:, 1:]
@@ -266,20 +344,31 @@ def main(args: argparse.Namespace) -> int:
     rank, world = _dist_setup()
     if args.batch % world:
         raise SystemExit(f"--batch {args.batch} must be divisible by the {world} processes")
+    from dspark import wiring
+
     name = args.name or default_name(args.kind, args.head)
-    out = args.out or DEMO_DRAFTERS / name
-    work = args.work or DEMO / "work" / "train" / name
+    drafters_dir, work_root, data_default = model_paths(args.model)
+    out = args.out or drafters_dir / name
+    work = args.work or work_root / "train" / name
     lam = float(args.block_size) if args.decay_lambda == "gamma" else float(args.decay_lambda)
     torch.manual_seed(args.seed)
-    target_model, target_cfg = load_model(args.target)
-    from dspark.tools.train_data import load_data
+    args.model_folder = wiring.model_folder(args.model)
+    target_model, target_cfg = load_model(args.model_folder)
+    from dspark.tools.train_data import MODES, batch_features, load_data_many
 
-    data = load_data(args.data, target_model)
+    data_dirs = [Path(p) for p in str(args.data or data_default).split(",")]
+    data = load_data_many(data_dirs)
     tap_layers = data.get("tap_layers") or list(target_model.tap_layers)
     if list(tap_layers) != list(target_model.tap_layers):
         raise SystemExit(f"data taps {tap_layers} != target taps {target_model.tap_layers}: regenerate data")
-    lengths = data["loss_mask"].long().cumsum(1).argmax(1) + 1
-    model = build_model(args, target_model, target_cfg, tap_layers)
+    lengths = data["lengths"]
+    excluded = [MODES.index(m) for m in args.exclude_modes.split(",") if m]
+    pool = torch.tensor([i for i, m in enumerate(data["mode"].tolist()) if m not in excluded])
+    own = args.kind == "dspark" and args.context == "own"
+    args.data_dirs, args.data_sequences = data_dirs, int(pool.numel())
+    args.data_tokens = int(data["loss_mask"][pool].sum())
+    scale = tap_channel_scale(data["taps"], seed=args.seed) if args.tap_norm and "taps" in data else None
+    model = build_model(args, target_model, target_cfg, tap_layers, scale)
     lm_head = target_model.embed_tokens.weight if target_model.lm_head_proj is None else \
         target_model.lm_head_proj.weight
     loss_mod = DrafterLoss(model, args.kind, lm_head, (args.alpha_ce, args.alpha_tv, args.alpha_conf), lam)
@@ -296,6 +385,7 @@ def main(args: argparse.Namespace) -> int:
     runner = nn.parallel.DistributedDataParallel(loss_mod) if world > 1 else loss_mod
     model.train()
     t0 = time.time() - elapsed
+    c0 = time.process_time() - (history[-1].get("cpu_s", 0.0) if history else 0.0)  # CPU s, over resumes
     bar = tqdm(range(start, args.steps), desc=f"train {name}", unit="step", disable=rank != 0,
                initial=start, total=args.steps)
     stop_at = args.steps if args.stop_after is None else min(args.steps, start + args.stop_after)
@@ -304,19 +394,20 @@ def main(args: argparse.Namespace) -> int:
             if rank == 0:
                 _save_ckpt(ckpt, model, opt, step, history, time.time() - t0)
             break
-        ids, anchors = sample_step(step, args.seed, lengths, data["loss_mask"], args.batch, args.anchors)
+        ids, anchors = sample_step(step, args.seed, lengths, data["loss_mask"], args.batch, args.anchors,
+                                   pool)
         norm = batch_weight(args.kind, ids, anchors, data["loss_mask"], args.block_size, lam)
         mine = slice(rank * args.batch // world, (rank + 1) * args.batch // world)
         ids, anchors = ids[mine], anchors[mine]
         t_max = int(lengths[ids].max())
         tokens = data["tokens"][ids, :t_max]
-        taps = data["taps"][ids, :t_max].float()
-        hidden = data["hidden"][ids, :t_max].float()
+        taps, hidden = batch_features(data, ids, t_max, taps=not own)
         lmask = data["loss_mask"][ids, :t_max]
         anchors = anchors.clamp(max=t_max - 1)
         for grp in opt.param_groups:
             grp["lr"] = lr_at(step, args.steps, args.warmup, args.lr)
-        loss_sum, stats = runner(tokens, lmask, taps, hidden, anchors)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=args.precision == "bf16"):
+            loss_sum, stats = runner(tokens, lmask, taps, hidden, anchors)
         (loss_sum * world / max(norm, 1e-9)).backward()  # DDP averages over ranks -> Σ / norm
         grad_norm = float(torch.nn.utils.clip_grad_norm_(params, 1.0))
         opt.step()
@@ -329,7 +420,8 @@ def main(args: argparse.Namespace) -> int:
         s = {k: (v.tolist() if v.numel() > 1 or k.endswith("_k") else float(v)) for k, v in s.items()}
         rec = {"step": step + 1, "loss": s["loss"] / max(norm, 1e-9), "ce": s["ce"] / max(s["weight"], 1e-9),
                "tv": s["tv"] / max(s["weight"], 1e-9), "rows": int(s["rows"]), "grad_norm": grad_norm,
-               "lr": opt.param_groups[0]["lr"], "time_s": round(time.time() - t0, 2)}
+               "lr": opt.param_groups[0]["lr"], "time_s": round(time.time() - t0, 2),
+               "cpu_s": round(time.process_time() - c0, 2)}
         if "bce" in s:
             rec["bce"] = s["bce"] / max(s["weight"], 1e-9)
         # 1 − mean TV per block position: the expected acceptance of d_k given an accepted prefix
@@ -343,27 +435,85 @@ def main(args: argparse.Namespace) -> int:
         summary = _summary(args, name, model, history, lam, time.time() - t0, world, tap_layers)
         if not args.no_export:
             _export(args, model, out, summary)
-            summary["drafter_dir"] = str(out)
+            summary["drafter_dir"] = _rel(out)
             summary["drafter_bytes"] = sum(f.stat().st_size for f in Path(out).iterdir() if f.is_file())
         args.results.mkdir(parents=True, exist_ok=True)
-        (args.results / f"train_{name}.json").write_text(json.dumps(summary, indent=2) + "\n")
-        _plot(history, args.results / f"train_{name}_loss.png", name)
+        from dspark.tools.calibrate import results_suffix
+
+        stem = f"train_{name}{results_suffix(wiring.Spec(model=args.model))}"  # _smollm2 for SmolLM2
+        (args.results / f"{stem}.json").write_text(json.dumps(summary, indent=2) + "\n")
+        _plot(history, args.results / f"{stem}_loss.png", name)
     if world > 1:
         dist.barrier()
         dist.destroy_process_group()
     return 0
 
 
-def _make_data(args) -> int:
-    from dspark.runtime.target import TargetEngine
-    from dspark.tools.train_data import make_data
+def model_paths(model: str) -> tuple[Path, Path, Path]:
+    """(drafters folder, work folder, default data folder) of a target name or folder."""
+    from dspark import wiring
 
-    target = TargetEngine.from_pretrained(args.target, capacity=args.gen_batch,
-                                          max_seq_len=args.max_prompt + args.max_new + 1)
-    meta = make_data(target, args.token_dir, args.data, args.n_per_domain, args.max_new, args.min_prompt,
-                     args.max_prompt, seed=args.seed, batch=args.gen_batch, t1_share=args.t1_share)
+    key = wiring.Spec(model=model).model_key
+    if key == "smollm2":
+        root = SMOLLM2_BUILD
+    elif key == "demo":
+        root = DEMO
+    else:  # a folder: its drafters and work data live beside it
+        root = Path(model).resolve().parent / (Path(model).name + "-drafters")
+    drafters = wiring.DRAFTER_DIRS.get(key or "", root / "drafters")
+    return drafters, root / "work", root / "work" / "drafter_data"
+
+
+def load_target_engine(args, capacity: int, max_seq_len: int):
+    """The target as served (dspark.wiring: model alias or folder, serving dtype)."""
+    from dspark import wiring
+
+    spec = wiring.resolve(model=args.model, dtype=args.dtype, capacity=capacity, max_seq_len=max_seq_len,
+                          num_threads=args.threads, drafter="none")
+    return wiring.load_target(spec)
+
+
+def _make_data(args) -> int:
+    from dspark import wiring
+    from dspark.tools import corpus
+    from dspark.tools.train_data import DOMAINS, chat_prompts, corpus_prompts, make_data
+
+    chat = args.corpus is not None or wiring.Spec(model=args.model).model_key == "smollm2"
+    max_prompt = args.max_prompt
+    target = load_target_engine(args, args.gen_batch, max_prompt + args.max_new + 1)
+    out = args.data or model_paths(args.model)[2]
+    if chat:
+        path = args.corpus or corpus.CORPUS_DIR / "train.jsonl"
+        if not path.is_file():
+            raise SystemExit(f"{path} missing: build the prompt corpus first (`dspark corpus`)")
+        prompts, dom, ids = chat_prompts(path, target.tokenizer, args.n_per_domain, corpus.DOMAINS,
+                                         offset=args.prompt_offset)
+        keep = [i for i, p in enumerate(prompts) if len(p) <= max_prompt]
+        prompts, dom = [prompts[i] for i in keep], [dom[i] for i in keep]
+        extra = {"prompts": _rel(path), "domains": list(corpus.DOMAINS), "n_per_domain": args.n_per_domain,
+                 "prompt_offset": args.prompt_offset,
+                 "dropped_long_prompts": len(ids) - len(keep), "max_prompt_tokens": max_prompt}
+    else:
+        prompts, dom = corpus_prompts(args.token_dir, args.n_per_domain, args.min_prompt, max_prompt,
+                                      args.seed)
+        extra = {"prompts": f"windows of {_rel(args.token_dir)}", "domains": list(DOMAINS),
+                 "n_per_domain": args.n_per_domain, "prompt_tokens_range": [args.min_prompt, max_prompt]}
+    extra |= {"model": _rel(args.model), "dtype": str(target.dtype).removeprefix("torch."),
+              "gen_batch": args.gen_batch}
+    meta = make_data(target, prompts, dom, out, args.max_new, seed=args.seed,
+                     chunk=args.chunk or 2 * args.gen_batch, t1_share=args.t1_share,
+                     greedy_share=args.greedy_share, extra_meta=extra)
     print(json.dumps(meta, indent=2))
     return 0
+
+
+def _rel(path) -> str:
+    """A path relative to the repository when inside it (results never hold machine paths)."""
+    p = Path(path)
+    for q in (p.absolute(), p.resolve()):
+        if q.is_relative_to(REPO_ROOT):
+            return str(q.relative_to(REPO_ROOT))
+    return str(path)
 
 
 def _save_ckpt(path: Path, model, opt, step: int, history: list, elapsed: float) -> None:
@@ -382,13 +532,17 @@ def _summary(args, name, model, history, lam, seconds, world, tap_layers) -> dic
             "steps": args.steps, "batch_sequences": args.batch, "anchors_per_sequence": args.anchors,
             "block_size": args.block_size, "decay_lambda": lam, "alphas": [args.alpha_ce, args.alpha_tv,
                                                                           args.alpha_conf],
-            "lr": args.lr, "seed": args.seed, "world_size": world, "target": str(args.target),
-            "data": str(args.data), "tap_layers": list(tap_layers),
+            "lr": args.lr, "seed": args.seed, "world_size": world, "target": _rel(args.model),
+            "data": [_rel(p) for p in args.data_dirs], "exclude_modes": args.exclude_modes or None,
+            "data_sequences": args.data_sequences, "data_generated_tokens": args.data_tokens,
+            "precision": args.precision, "threads": args.threads, "tap_layers": list(tap_layers),
             "trainable_params": sum(p.numel() for p in model.parameters()),
             "config": cfg.to_json() if hasattr(cfg, "to_json") else cfg.to_dict(),
             "final": {k: mean(k) for k in ("loss", "ce", "tv", "bce") if any(k in r for r in last)},
             "final_accept_proxy_k": _mean_lists([r["accept_proxy_k"] for r in last]),
-            "train_seconds": round(seconds, 1), "history": history}
+            "train_seconds": round(seconds, 1),
+            "train_cpu_seconds": history[-1].get("cpu_s") if history else None,
+            "history": history}
 
 
 def _mean_lists(rows: list[list[float | None]]) -> list[float | None]:
@@ -410,7 +564,7 @@ def _export(args, model, out: Path, summary: dict) -> None:
     else:
         from dspark.runtime.drafter.draft_lm import save_draft_lm
 
-        tok = Path(args.target) / "tokenizer.json"
+        tok = Path(args.model_folder) / "tokenizer.json"
         save_draft_lm(model, model.config, out, tok if tok.is_file() else None, dtype, args.block_size)
     (Path(out) / "train.json").write_text(json.dumps({k: v for k, v in summary.items() if k != "history"},
                                                      indent=2) + "\n")

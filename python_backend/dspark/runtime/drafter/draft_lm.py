@@ -17,11 +17,12 @@ import torch
 
 from dspark.runtime.batch import RaggedBatch
 from dspark.runtime.config import ModelConfig
-from dspark.runtime.drafter.dspark_drafter import draw_tokens, read_calibration
+from dspark.runtime.drafter.context import DraftProbStore
+from dspark.runtime.drafter.dspark_drafter import read_calibration
 from dspark.runtime.interfaces import DraftBlock
 from dspark.runtime.loader import save_pretrained
 from dspark.runtime.model import Transformer
-from dspark.runtime.sampling import SamplingParams, param_tensors, sampling_probs
+from dspark.runtime.sampling import SamplingBatch, SamplingParams
 from dspark.runtime.target import TargetEngine
 
 
@@ -51,6 +52,7 @@ class DraftLMDrafter:
         self.vocab_size = engine.vocab_size
         self._own: dict[int, int] = {}  # engine slot -> our KV slot
         self._known: dict[int, list[int]] = {}  # tokens of the request that are final
+        self.probs = DraftProbStore()
 
     gamma = property(lambda self: self._gamma)
 
@@ -65,38 +67,44 @@ class DraftLMDrafter:
             self.release(slot)
         self._own[slot] = self.engine.allocate()
         self._known[slot] = list(prompt)
+        self.probs.release(slot)
 
     def release(self, slot: int) -> None:
         own = self._own.pop(slot, None)
         self._known.pop(slot, None)
+        self.probs.release(slot)
         if own is not None:
             self.engine.release(own)
 
-    def extend(self, slots: list[int], tokens: list[torch.Tensor],
-               taps: list[torch.Tensor] | None = None) -> None:
-        for slot, tok in zip(slots, tokens):
-            self._known[slot].extend(int(t) for t in tok.tolist())
+    def extend(self, slots: list[int], tokens: torch.Tensor, taps: torch.Tensor | None,
+               cu_seqlens: torch.Tensor, keep: torch.Tensor) -> None:
+        flat = tokens.tolist()
+        for slot, start, n in zip(slots, cu_seqlens[:-1].tolist(), keep.tolist(), strict=True):
+            self._known[slot].extend(flat[start:start + n])
+
+    def draft_probs(self, slots: list[int], lengths: torch.Tensor) -> torch.Tensor:
+        return self.probs.take(slots, lengths)
 
     @torch.inference_mode()
     def propose(self, slots: list[int], anchors: torch.Tensor, params: list[SamplingParams],
-                generators: list[torch.Generator | None]) -> DraftBlock:
+                uniforms: torch.Tensor) -> DraftBlock:
         eng, r, gamma = self.engine, len(slots), self.gamma
         own = [self._own[s] for s in slots]
         starts = [eng.length(o) for o in own]
         feed = [self._known[s][st:] + [int(a)] for s, st, a in zip(slots, starts, anchors.tolist())]
         batch = RaggedBatch.from_requests(own, feed, starts)
         logits = eng.verify(batch)[0][batch.cu_seqlens[1:] - 1]
-        temp, top_k, top_p = param_tensors(params, logits.device)
-        greedy = [p.greedy for p in params]
-        tokens = torch.empty(r, gamma, dtype=torch.int64)
-        probs = torch.empty(r, gamma, self.vocab_size)
-        conf = torch.empty(r, gamma)
+        sampling = SamplingBatch.from_params(params, logits.device)
+        uniforms = uniforms.to(logits.device)
+        tokens = torch.empty(r, gamma, dtype=torch.int64, device=logits.device)
+        conf = torch.empty(r, gamma, device=logits.device)
+        kept: list[torch.Tensor | None] = []
         for k in range(gamma):
             logits = logits.float()
             top = torch.softmax(logits, -1).max(-1).values.clamp(1e-6, 1 - 1e-6)
             conf[:, k] = torch.log(top) - torch.log1p(-top)
-            probs[:, k] = sampling_probs(logits, temp, top_k, top_p).cpu()
-            tokens[:, k] = draw_tokens(probs[:, k], logits.cpu(), greedy, generators)
+            tokens[:, k], probs = sampling.draw(logits, uniforms[:, k])
+            kept.append(probs)
             if k + 1 < gamma:
                 pos = [eng.length(o) for o in own]
                 step = RaggedBatch(tokens[:, k].clone(), torch.arange(r), torch.tensor(pos),
@@ -104,7 +112,9 @@ class DraftLMDrafter:
                 logits = eng.verify(step)[0]
         for s, o in zip(slots, own):
             eng.rollback(o, len(self._known[s]))  # drop the anchor and the drafts: not final yet
-        return DraftBlock(tokens, probs, conf)
+        sampled = [q for q in kept if q is not None]
+        self.probs.put(slots, [p.greedy for p in params], torch.stack(sampled, 1) if sampled else None)
+        return DraftBlock(tokens, conf)
 
 
 def save_draft_lm(model: Transformer, cfg: ModelConfig, folder: str | Path, tokenizer_path: str | Path | None,

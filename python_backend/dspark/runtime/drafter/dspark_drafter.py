@@ -25,11 +25,11 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from dspark.runtime.drafter.context import SlotDrafter
+from dspark.runtime.drafter.context import SlotDrafter, SlotKV, segments
 from dspark.runtime.drafter.heads import ConfidenceHead, make_head
 from dspark.runtime.interfaces import DraftBlock
 from dspark.runtime.model import RMSNorm, apply_rope, rope_cos_sin
-from dspark.runtime.sampling import SamplingParams, param_tensors, sample, sampling_probs
+from dspark.runtime.sampling import SamplingBatch, SamplingParams
 
 
 class JsonConfig:
@@ -62,6 +62,14 @@ class DSparkConfig(JsonConfig):
     head_rank: int = 64
     tap_layers: list[int] | None = None  # the target layers the taps come from (checked at load)
     kind: str = "dspark"
+    # "taps": context = the target's taps; "own": the drafter's own causal encoder over token
+    # embeddings (own_context.py; for targets without hidden states; tap_dim = hidden_size)
+    context: str = "taps"
+    context_layers: int = 1
+    context_intermediate_size: int | None = None  # MLP width of the own encoder (None: intermediate_size)
+    # taps scaled per channel by fixed data statistics (buffer tap_scale) before W_c: SmolLM2's
+    # residual stream has a few channels 30-100x larger than the rest (massive activations)
+    tap_norm: bool = False
 
 
 def rope_inv_freq_plain(head_dim: int, theta: float) -> torch.Tensor:
@@ -121,6 +129,14 @@ class DSparkModel(nn.Module):
         d = cfg.hidden_size
         self.fc = nn.Linear(cfg.tap_dim, d, bias=False)  # W_c
         self.ctx_norm = RMSNorm(d, cfg.rms_norm_eps)
+        self.register_buffer("tap_scale", torch.ones(cfg.tap_dim) if cfg.tap_norm else None)
+        self.ctx_encoder = None
+        if cfg.context == "own":
+            from dspark.runtime.drafter.own_context import OwnContextEncoder
+
+            self.ctx_encoder = OwnContextEncoder(cfg, DraftLayer)
+        elif cfg.context != "taps":
+            raise ValueError(f"DSparkConfig.context: unknown {cfg.context!r} (taps | own)")
         self.mask_embedding = nn.Parameter(torch.zeros(d))
         self.layers = nn.ModuleList(DraftLayer(cfg) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(d, cfg.rms_norm_eps)
@@ -176,13 +192,30 @@ class DSparkModel(nn.Module):
         rest = self.mask_embedding.expand(*anchors.shape, g - 1, -1)
         return torch.cat([first, rest.to(first.dtype)], dim=-2)
 
+    def scale_taps(self, taps: torch.Tensor) -> torch.Tensor:
+        """taps in the drafter's dtype, times the per-channel tap_scale when the config has tap_norm."""
+        x = taps.to(self.fc.weight.dtype)
+        return x if self.tap_scale is None else x * self.tap_scale.to(x.dtype)
+
+    def context_features(self, tokens: torch.Tensor, taps: torch.Tensor | None,
+                         positions: torch.Tensor) -> torch.Tensor:
+        """The rows the context is built from: the taps, or (context "own") the own encoder's
+        causal features of the tokens [B, T] at positions [B, T] (training / full pass)."""
+        if self.ctx_encoder is None:
+            if taps is None:
+                raise ValueError("context_features: context 'taps' needs the target taps, got None")
+            return self.scale_taps(taps)
+        x = self.embed(tokens)
+        return self.ctx_encoder(x, *self.rope(positions, x.dtype))
+
     def train_hidden(self, tokens: torch.Tensor, taps: torch.Tensor, anchors: torch.Tensor) -> torch.Tensor:
         """Many blocks per sequence in one pass (training). tokens [B, T], taps [B, T, tap_dim]
         (taps of token t at row t), anchors [B, nb] positions a (the block's context is the taps
         of tokens 0..a−1) -> h [B, nb, G, d]. Equals running each block alone at inference."""
         b, t = tokens.shape
         nb, g = anchors.shape[1], self.config.block_size
-        ctx_kv = self.context_kv(taps, torch.arange(t, device=tokens.device).expand(b, t))
+        positions = torch.arange(t, device=tokens.device).expand(b, t)
+        ctx_kv = self.context_kv(self.context_features(tokens, taps, positions), positions)
         x = self.block_inputs(tokens.gather(1, anchors)).reshape(b, nb * g, -1)
         offs = torch.arange(g, device=tokens.device)
         positions = (anchors[..., None] + offs).reshape(b, nb * g)
@@ -198,78 +231,196 @@ class DSparkModel(nn.Module):
 
 
 class DSparkDrafter(SlotDrafter):
-    """`DrafterLike` runtime over a `DSparkModel`: per-slot context K/V, batched propose."""
+    """`DrafterLike` runtime over a `DSparkModel`, device-first: the context K/V of every slot in a
+    `SlotKV` on the target's device, the block's K/V written after it (scratch rows that the next
+    `extend` overwrites), one batched LM head for the γ positions, then the sequential head left
+    to right with nothing but tiny ops per position. No host sync in propose or extend."""
 
     kind = "dspark"
+
+    def __init__(self, model: DSparkModel, embed_weight: torch.Tensor, lm_head_weight: torch.Tensor,
+                 gamma: int | None = None, sts_temperatures: list[float] | None = None) -> None:
+        super().__init__(model, embed_weight, lm_head_weight, gamma, sts_temperatures)
+        cfg = self.config
+        self.dtype = self.model.fc.weight.dtype
+        self.kv = SlotKV(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, self.device, self.dtype)
+        self.set_vocab(None)
+
+    def set_vocab(self, ids: torch.Tensor | None) -> None:
+        """Draft over a subset of the vocabulary (None: all of it). The LM head and the sequential
+        head's W2 are read for these rows only (the LM head is the step's one big read); tokens
+        outside get p_d = 0, which verification handles like any draft distribution (lossless).
+        Rows are copied once here, never per step."""
+        lm = self.model.lm_head_weight
+        w2 = getattr(self.model.head, "W2", None)
+        if ids is None:
+            self.vocab = None
+            self._lm, self._w2 = lm, None if w2 is None else w2.weight
+            return
+        ids = torch.as_tensor(ids, dtype=torch.int64).unique().to(self.device)  # sorted, distinct
+        if int(ids.min()) < 0 or int(ids.max()) >= self.config.vocab_size:
+            raise ValueError(f"draft vocabulary ids must be in [0, {self.config.vocab_size})")
+        self.vocab = ids
+        self._lm = lm[ids].contiguous()
+        self._w2 = None if w2 is None else w2.weight[ids].contiguous()
+
+    def _token_ids(self, idx: torch.Tensor) -> torch.Tensor:
+        return idx if self.vocab is None else self.vocab[idx]
+
+    def _full(self, rows: torch.Tensor, fill: float) -> torch.Tensor:
+        """[..., K] over the draft vocabulary -> [..., V] (`fill` outside it)."""
+        if self.vocab is None or rows.shape[-1] == self.config.vocab_size:
+            return rows
+        out = rows.new_full((*rows.shape[:-1], self.config.vocab_size), fill)
+        if rows.numel() == 0:
+            return out
+        out[..., self.vocab] = rows
+        return out
+
+    def draft_probs(self, slots: list[int], lengths: torch.Tensor) -> torch.Tensor:
+        return self._full(self.probs.take(slots, lengths), 0.0)
 
     # --- per-slot context ---
     def start(self, slot: int, prompt: list[int], taps: torch.Tensor) -> None:
         if taps.shape[0] != len(prompt):
             raise ValueError(f"start: {len(prompt)} prompt tokens but {taps.shape[0]} taps rows")
-        self.ctx.start(slot)
-        self._append(slot, taps)
+        self.kv.start(slot)
+        self.probs.release(slot)
+        getattr(self, "_enc_cache", {}).pop(slot, None)  # context "own": the encoder's K/V
+        n = taps.shape[0]
+        self.extend([slot], torch.tensor(prompt), taps, torch.tensor([0, n]), torch.tensor([n]))
 
-    def extend(self, slots: list[int], tokens: list[torch.Tensor], taps: list[torch.Tensor]) -> None:
-        for slot, tok, tp in zip(slots, tokens, taps, strict=True):
-            if tp.shape[0] != tok.shape[0]:
-                raise ValueError(f"extend slot {slot}: {tok.shape[0]} tokens but {tp.shape[0]} taps rows")
-            self._append(slot, tp)
-
-    def context_length(self, slot: int) -> int:
-        return self.ctx.length(slot, "k0")
+    def release(self, slot: int) -> None:
+        super().release(slot)
+        self.kv.release(slot)
+        getattr(self, "_enc_cache", {}).pop(slot, None)
 
     @torch.inference_mode()
-    def _append(self, slot: int, taps: torch.Tensor) -> None:
+    def extend(self, slots: list[int], tokens: torch.Tensor, taps: torch.Tensor, cu_seqlens: torch.Tensor,
+               keep: torch.Tensor) -> None:
+        cu = cu_seqlens.cpu()
+        if taps.shape[0] != int(cu[-1]) or len(slots) + 1 != cu.numel():
+            raise ValueError(f"extend: {len(slots)} slots, cu_seqlens {cu.tolist()}, "
+                             f"but {taps.shape[0]} taps rows")
+        self.kv.check(slots)
         if taps.shape[0] == 0:
             return
-        start = self.context_length(slot)
-        pos = torch.arange(start, start + taps.shape[0], device=self.device)[None]
-        for i, (k, v) in enumerate(self.model.context_kv(taps.to(self.device)[None], pos)):
-            self.ctx.append(slot, f"k{i}", k[0])
-            self.ctx.append(slot, f"v{i}", v[0])
+        m, dev = self.model, self.device
+        seq, local = segments(cu)
+        lens = (cu[1:] - cu[:-1]).tolist()
+        self.kv.reserve(slots, [self.kv.bound[s] + n for s, n in zip(slots, lens)])
+        slot_t = torch.tensor(slots, dtype=torch.int64, device=dev)
+        slot_rows = slot_t[seq.to(dev)]
+        rows = self.kv.lengths[slot_rows] + local.to(dev)
+        h_ctx = m.ctx_norm(m.fc(self._context_rows(slots, tokens, taps, cu, keep)))[None]
+        cos, sin = m.rope(rows[None], h_ctx.dtype)
+        for i, layer in enumerate(m.layers):
+            k, v = layer.kv(h_ctx, cos, sin)
+            self.kv.write(i, slot_rows, rows, k[0], v[0])
+        self.kv.advance(slot_t, keep)
+        for s, n in zip(slots, lens):
+            self.kv.bound[s] += n
+
+    def context_length(self, slot: int) -> int:
+        return int(self.kv.lengths[slot])
+
+    def _context_rows(self, slots: list[int], tokens: torch.Tensor, taps: torch.Tensor, cu: torch.Tensor,
+                      keep: torch.Tensor) -> torch.Tensor:
+        """[N, tap_dim] rows to project into the context: the taps, or (context "own") the own
+        encoder's features of the tokens, encoded incrementally per slot (its K/V keeps the
+        first keep[r] rows: the anchor and the accepted drafts)."""
+        enc = self.model.ctx_encoder
+        if enc is None:
+            return self.model.scale_taps(taps.to(self.device))
+        if not hasattr(self, "_enc_cache"):
+            self._enc_cache: dict[int, list] = {}
+        out, keep_l = [], keep.tolist()
+        for r, slot in enumerate(slots):
+            lo, hi = int(cu[r]), int(cu[r + 1])
+            cache = self._enc_cache.get(slot) or enc.empty_cache(self.model.fc.weight)
+            c = cache[0][0].shape[1] if cache else 0
+            x = self.model.embed(tokens[lo:hi].to(self.device))[None]
+            pos = torch.arange(c, c + hi - lo, device=self.device)[None]
+            feats, cache = enc.extend(x, *self.model.rope(pos, x.dtype), cache)
+            self._enc_cache[slot] = [(k[:, :c + keep_l[r]], v[:, :c + keep_l[r]]) for k, v in cache]
+            out.append(feats[0])
+        return torch.cat(out)
 
     # --- drafting ---
-    def _block(self, slots: list[int], anchors: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Backbone over the trained block for each slot -> h [R, γ, d], U [R, γ, V] f32."""
-        m, cfg = self.model, self.config
+    def _backbone(self, slots: list[int], anchors: torch.Tensor) -> torch.Tensor:
+        """The trained block of G inputs per slot over its cached context -> h [R, γ, d]."""
+        self.kv.check(slots)
+        m, dev = self.model, self.device
         r, g = len(slots), self.block_size
-        like = torch.zeros(1, cfg.num_kv_heads, cfg.head_dim, device=self.device, dtype=m.fc.weight.dtype)
-        ctx_kv, valid = [], None
-        for i in range(cfg.num_layers):
-            k, valid = self.ctx.padded(slots, f"k{i}", like)
-            v, _ = self.ctx.padded(slots, f"v{i}", like)
-            ctx_kv.append((k, v))
-        positions = valid.sum(1)[:, None] + torch.arange(g, device=self.device)
-        mask = torch.cat([valid[:, None, :].expand(r, g, -1),
-                          torch.ones(r, g, g, dtype=torch.bool, device=self.device)], dim=-1)
-        h = m.backbone(m.block_inputs(anchors), positions, ctx_kv, mask)[:, :self.gamma]
-        return h, m.lm_head(h).float()
+        first = slots[0] if slots == list(range(slots[0], slots[0] + r)) else None
+        slot_t = torch.tensor(slots, dtype=torch.int64, device=dev)
+        rows = max(self.kv.bound[s] for s in slots) + g
+        self.kv.reserve(slots, [rows])
+        lens = self.kv.lengths[slot_t]
+        pos = lens[:, None] + torch.arange(g, device=dev)  # [R, G]
+        # every block query sees its slot's context and the whole block (non-causal inside it)
+        mask = (torch.arange(rows, device=dev)[None, :] < (lens + g)[:, None])[:, None, None, :]
+        x = m.block_inputs(anchors)
+        cos, sin = m.rope(pos, x.dtype)
+        slot_rows = slot_t[:, None].expand(r, g)
+        for i, layer in enumerate(m.layers):
+            h = layer.input_norm(x)
+            q = apply_rope(layer.q_norm(layer.q_proj(h).view(r, g, layer.n_heads, layer.head_dim)), cos, sin)
+            k, v = layer.kv(h, cos, sin)
+            self.kv.write(i, slot_rows, pos, k, v)
+            keys, vals = self.kv.read(i, slot_t, first, rows)
+            # GQA without copying K/V: the query heads sharing a kv head become rows of one query
+            # block, [R, Hkv, (H/Hkv)·G, hd] against the slot cache's [R, Hkv, rows, hd]
+            grp = layer.n_heads // layer.n_kv
+            qg = q.view(r, g, layer.n_kv, grp, layer.head_dim).permute(0, 2, 3, 1, 4)
+            qg = qg.reshape(r, layer.n_kv, grp * g, layer.head_dim)
+            out = F.scaled_dot_product_attention(qg, keys, vals, attn_mask=mask)
+            out = out.view(r, layer.n_kv, grp, g, layer.head_dim).permute(0, 3, 1, 2, 4)
+            x = x + layer.o_proj(out.reshape(r, g, -1))
+            h = layer.post_norm(x)
+            x = x + layer.down_proj(F.silu(layer.gate_proj(h)) * layer.up_proj(h))
+        return x[:, :self.gamma]
 
-    def _step(self, h_k: torch.Tensor, base_k: torch.Tensor, x_prev: torch.Tensor, state):
-        """Position k: (logits U_k + B_k(x_{k−1}) [R, V], conf logit z_k [R], head state)."""
-        m = self.model
-        feats, state = m.head.step(x_prev, h_k, state)
-        logits = base_k if feats is None else base_k + m.head.bias(feats).float()
-        return logits, m.conf(h_k, m.head.token_features(x_prev)).float(), state
+    def _head(self, h: torch.Tensor, base: torch.Tensor, x0: torch.Tensor,
+              choose) -> tuple[torch.Tensor, torch.Tensor]:
+        """The sequential head left to right: x_k = choose(k, U_k + B_k(x_{k−1})) -> tokens [R, γ];
+        then the confidence logits of all positions at once (z_k reads h_k and x_{k−1})."""
+        head = self.model.head
+        tokens = torch.empty(h.shape[0], self.gamma, dtype=torch.int64, device=h.device)
+        x_prev, state = x0, None
+        for k in range(self.gamma):
+            feats, state = head.step(x_prev, h[:, k], state)
+            bias = None if feats is None or self._w2 is None else F.linear(feats, self._w2)
+            logits = base[:, k] if bias is None else base[:, k] + bias
+            tokens[:, k] = x_prev = choose(k, logits)
+        prev = torch.cat([x0[:, None], tokens[:, :-1]], dim=1)
+        return tokens, self.model.conf(h, head.token_features(prev)).float()
 
     @torch.inference_mode()
     def propose(self, slots: list[int], anchors: torch.Tensor, params: list[SamplingParams],
-                generators: list[torch.Generator | None]) -> DraftBlock:
+                uniforms: torch.Tensor) -> DraftBlock:
         anchors = anchors.to(self.device, torch.int64)
-        h, base = self._block(slots, anchors)
-        r, gamma = len(slots), self.gamma
-        temp, top_k, top_p = param_tensors(params, self.device)
+        h = self._backbone(slots, anchors)
+        base = F.linear(self.model.norm(h), self._lm)  # [R, γ, K]: the step's one big GEMM
         greedy = [p.greedy for p in params]
-        tokens = torch.empty(r, gamma, dtype=torch.int64, device=self.device)
-        probs = torch.empty(r, gamma, self.config.vocab_size, device=self.device)
-        conf = torch.empty(r, gamma, device=self.device)
-        x_prev, state = anchors, None
-        for k in range(gamma):
-            logits, conf[:, k], state = self._step(h[:, k], base[:, k], x_prev, state)
-            probs[:, k] = sampling_probs(logits, temp, top_k, top_p)
-            tokens[:, k] = draw_tokens(probs[:, k], logits, greedy, generators)
-            x_prev = tokens[:, k]
-        return DraftBlock(tokens.cpu(), probs.cpu(), conf.cpu())
+        if all(greedy):
+            tokens, conf = self._head(h, base, anchors,
+                                      lambda k, logits: self._token_ids(logits.max(-1).indices))
+            self.probs.put(slots, greedy, None)
+            return DraftBlock(tokens, conf)
+        sampling = SamplingBatch.from_params(params, self.device)
+        uniforms = uniforms.to(self.device)
+        kept: list[torch.Tensor] = []
+
+        def choose(k: int, logits: torch.Tensor) -> torch.Tensor:
+            tok, probs = sampling.draw(logits.float(), uniforms[:, k])
+            assert probs is not None  # not all greedy: some rows were sampled
+            kept.append(probs)
+            return self._token_ids(tok)
+
+        tokens, conf = self._head(h, base, anchors, choose)
+        self.probs.put(slots, greedy, torch.stack(kept, dim=1))
+        return DraftBlock(tokens, conf)
 
     @torch.inference_mode()
     def score(self, slots: list[int], anchors: torch.Tensor,
@@ -277,29 +428,20 @@ class DSparkDrafter(SlotDrafter):
         """Teacher-forced: the logits [R, γ, V] and confidence logits [R, γ] the drafter would
         use at each position if it had drafted `tokens` [R, γ] (tests, analysis)."""
         anchors, tokens = anchors.to(self.device, torch.int64), tokens.to(self.device, torch.int64)
-        h, base = self._block(slots, anchors)
-        x_prev, state, out, conf = anchors, None, [], []
-        for k in range(self.gamma):
-            logits, z, state = self._step(h[:, k], base[:, k], x_prev, state)
-            out.append(logits)
-            conf.append(z)
-            x_prev = tokens[:, k]
-        return torch.stack(out, 1).cpu(), torch.stack(conf, 1).cpu()
+        h = self._backbone(slots, anchors)
+        base = F.linear(self.model.norm(h), self._lm)
+        out: list[torch.Tensor] = []
+
+        def forced(k: int, logits: torch.Tensor) -> torch.Tensor:
+            out.append(self._full(logits.float(), float("-inf")))
+            return tokens[:, k]
+
+        _, conf = self._head(h, base, anchors, forced)
+        return torch.stack(out, 1).cpu(), conf.cpu()
 
     # --- persistence ---
     def save(self, folder: str | Path) -> Path:
         return save_dspark(self.model, folder)
-
-
-def draw_tokens(probs: torch.Tensor, logits: torch.Tensor, greedy: list[bool],
-          generators: list[torch.Generator | None]) -> torch.Tensor:
-    """Greedy rows: argmax (= sampling_probs' one-hot); others: one draw from their own generator."""
-    out = logits.argmax(-1)
-    rows = [i for i, gr in enumerate(greedy) if not gr]
-    if rows:
-        drawn = sample(probs[rows].cpu(), [generators[i] for i in rows]).to(out.device)
-        out[rows] = drawn
-    return out
 
 
 def save_dspark(model: DSparkModel, folder: str | Path, dtype: torch.dtype = torch.float32) -> Path:
@@ -325,6 +467,18 @@ def read_calibration(folder: str | Path | None) -> list[float] | None:
     return None if temps is None else [float(t) for t in temps]
 
 
+DRAFT_VOCAB_FILE = "draft_vocab.json"  # written by `dspark draft-vocab`
+
+
+def read_draft_vocab(folder: str | Path) -> torch.Tensor | None:
+    """The draft vocabulary for a drafter folder: its own draft_vocab.json, else the one of the
+    model's drafter root (its parent folder); None when neither exists (draft over all tokens)."""
+    for path in (Path(folder) / DRAFT_VOCAB_FILE, Path(folder).parent / DRAFT_VOCAB_FILE):
+        if path.is_file():
+            return torch.tensor(json.loads(path.read_text())["ids"], dtype=torch.int64)
+    return None
+
+
 def shared_weights(target) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(embedding [V, d], LM head [V, d], final norm [d]) of a TargetEngine or a Transformer."""
     model = getattr(target, "model", target)
@@ -344,5 +498,7 @@ def load_dspark(folder: str | Path, target, gamma: int | None = None) -> DSparkD
         raise ValueError(f"drafter {folder} was trained on taps {cfg.tap_layers}, target gives {tap_layers}")
     model = DSparkModel(cfg)
     model.load_state_dict({k: v.float() for k, v in load_file(str(folder / "model.safetensors")).items()})
-    model.to(embed.device)
-    return DSparkDrafter(model, embed, lm_head, gamma=gamma, sts_temperatures=read_calibration(folder))
+    model.to(embed.device, embed.dtype)  # the target's dtype: its taps and LM head are used as they are
+    drafter = DSparkDrafter(model, embed, lm_head, gamma=gamma, sts_temperatures=read_calibration(folder))
+    drafter.set_vocab(read_draft_vocab(folder))
+    return drafter

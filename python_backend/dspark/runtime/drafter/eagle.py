@@ -22,14 +22,13 @@ from torch import nn
 from dspark.runtime.drafter.context import SlotDrafter
 from dspark.runtime.drafter.dspark_drafter import (
     JsonConfig,
-    draw_tokens,
     read_calibration,
     rope_inv_freq_plain,
     shared_weights,
 )
 from dspark.runtime.interfaces import DraftBlock
 from dspark.runtime.model import RMSNorm, apply_rope, rope_cos_sin
-from dspark.runtime.sampling import SamplingParams, param_tensors, sampling_probs
+from dspark.runtime.sampling import SamplingBatch, SamplingParams
 
 
 @dataclass
@@ -47,6 +46,7 @@ class EagleConfig(JsonConfig):
     gamma: int = 7
     tap_layers: list[int] | None = None
     kind: str = "eagle"
+    tap_norm: bool = False  # taps scaled per channel (buffer tap_scale) before fc, as DSparkConfig
 
 
 class EagleModel(nn.Module):
@@ -56,6 +56,7 @@ class EagleModel(nn.Module):
         d, hd = cfg.hidden_size, cfg.head_dim
         self.n_heads, self.n_kv, self.head_dim = cfg.num_heads, cfg.num_kv_heads, hd
         self.fc = nn.Linear(cfg.tap_dim, d, bias=False)  # fuse low/mid/high taps
+        self.register_buffer("tap_scale", torch.ones(cfg.tap_dim) if cfg.tap_norm else None)
         self.emb_norm = RMSNorm(d, cfg.rms_norm_eps)
         self.hid_norm = RMSNorm(d, cfg.rms_norm_eps)
         self.q_proj = nn.Linear(2 * d, self.n_heads * hd, bias=False)
@@ -89,7 +90,8 @@ class EagleModel(nn.Module):
         return F.linear(self.norm(h), self.lm_head_weight.to(h.dtype))
 
     def features(self, taps: torch.Tensor) -> torch.Tensor:
-        return self.fc(taps.to(self.fc.weight.dtype))
+        x = taps.to(self.fc.weight.dtype)
+        return self.fc(x if self.tap_scale is None else x * self.tap_scale.to(x.dtype))
 
     def qkv(self, feat: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor):
         """feat [B, Q, d], tokens [B, Q] (the next token of each position), positions [B, Q]
@@ -129,6 +131,8 @@ class EagleModel(nn.Module):
         gather = lambda x: x.gather(1, root.view(b, nb, *([1] * (x.dim() - 2))).expand(b, nb, *x.shape[2:]))
         hs = [gather(h1)]
         ctx_mask = torch.arange(t, device=dev)[None, None, :] <= root[..., None]  # [B, nb, T]
+        rep = self.n_heads // self.n_kv  # GQA: expand the context K/V once for all G steps
+        k1, v1 = k1.repeat_interleave(rep, dim=2), v1.repeat_interleave(rep, dim=2)
         chain_k, chain_v = [], []
         for s in range(2, g + 1):
             tok = tokens.gather(1, (anchors + s - 1).clamp(max=t - 1))
@@ -138,11 +142,10 @@ class EagleModel(nn.Module):
             hs.append(self.finish(hs[-1], self._chain_attend(q, k1, v1, ctx_mask, chain_k, chain_v)))
         return torch.stack(hs, dim=2)
 
-    def _chain_attend(self, q, k1, v1, ctx_mask, chain_k, chain_v) -> torch.Tensor:
-        """q [B, nb, H, hd] against ctx keys k1 [B, T, Hkv, hd] (masked per chain) and the
-        chain's own keys chain_k[j] [B, nb, Hkv, hd] -> [B, nb, H, hd]."""
+    def _chain_attend(self, q, k1e, v1e, ctx_mask, chain_k, chain_v) -> torch.Tensor:
+        """q [B, nb, H, hd] against ctx keys k1e [B, T, H, hd] (already expanded to the query
+        heads; masked per chain) and the chain's own keys chain_k[j] [B, nb, Hkv, hd] -> [B, nb, H, hd]."""
         rep = self.n_heads // self.n_kv
-        k1e, v1e = k1.repeat_interleave(rep, dim=2), v1.repeat_interleave(rep, dim=2)
         ck = torch.stack(chain_k, dim=2).repeat_interleave(rep, dim=3)  # [B, nb, S, H, hd]
         cv = torch.stack(chain_v, dim=2).repeat_interleave(rep, dim=3)
         scale = self.head_dim ** -0.5
@@ -150,7 +153,7 @@ class EagleModel(nn.Module):
         s_ctx = s_ctx.masked_fill(~ctx_mask[:, :, None, :], float("-inf"))
         s_chain = torch.einsum("bnhd,bnshd->bnhs", q, ck) * scale
         p = torch.softmax(torch.cat([s_ctx, s_chain], dim=-1), dim=-1)
-        t = k1.shape[1]
+        t = k1e.shape[1]
         out = torch.einsum("bnht,bthd->bnhd", p[..., :t], v1e)
         return out + torch.einsum("bnhs,bnshd->bnhd", p[..., t:], cv)
 
@@ -160,7 +163,8 @@ class EagleModel(nn.Module):
 
 class EagleDrafter(SlotDrafter):
     """`DrafterLike` runtime: per slot the fused features and tokens of every cached token,
-    and the layer's K/V for positions whose next token is known (committed at propose)."""
+    and the layer's K/V for positions whose next token is known (committed at propose).
+    A baseline driven from the host: extend reads the accepted counts (one sync)."""
 
     kind = "eagle"
 
@@ -168,16 +172,20 @@ class EagleDrafter(SlotDrafter):
         if taps.shape[0] != len(prompt):
             raise ValueError(f"start: {len(prompt)} prompt tokens but {taps.shape[0]} taps rows")
         self.ctx.start(slot)
-        self.extend([slot], [torch.tensor(prompt, dtype=torch.int64)], [taps])
+        self.probs.release(slot)
+        n = len(prompt)
+        self.extend([slot], torch.tensor(prompt, dtype=torch.int64), taps, torch.tensor([0, n]),
+                    torch.tensor([n]))
 
     @torch.inference_mode()
-    def extend(self, slots: list[int], tokens: list[torch.Tensor], taps: list[torch.Tensor]) -> None:
-        for slot, tok, tp in zip(slots, tokens, taps, strict=True):
-            if tp.shape[0] != tok.shape[0]:
-                raise ValueError(f"extend slot {slot}: {tok.shape[0]} tokens but {tp.shape[0]} taps rows")
-            if tok.shape[0]:
-                self.ctx.append(slot, "feat", self.model.features(tp.to(self.device)))
-                self.ctx.append(slot, "tok", tok.to(self.device, torch.int64))
+    def extend(self, slots: list[int], tokens: torch.Tensor, taps: torch.Tensor, cu_seqlens: torch.Tensor,
+               keep: torch.Tensor) -> None:
+        if taps.shape[0] != tokens.shape[0]:
+            raise ValueError(f"extend: {tokens.shape[0]} tokens but {taps.shape[0]} taps rows")
+        for slot, start, n in zip(slots, cu_seqlens[:-1].tolist(), keep.tolist(), strict=True):
+            if n:
+                self.ctx.append(slot, "feat", self.model.features(taps[start:start + n].to(self.device)))
+                self.ctx.append(slot, "tok", tokens[start:start + n].to(self.device, torch.int64))
 
     @torch.inference_mode()
     def _commit(self, slot: int, anchor: int) -> torch.Tensor:
@@ -200,7 +208,7 @@ class EagleDrafter(SlotDrafter):
 
     @torch.inference_mode()
     def propose(self, slots: list[int], anchors: torch.Tensor, params: list[SamplingParams],
-                generators: list[torch.Generator | None]) -> DraftBlock:
+                uniforms: torch.Tensor) -> DraftBlock:
         m, cfg, gamma, r = self.model, self.config, self.gamma, len(slots)
         anchors = anchors.to(self.device, torch.int64)
         h = torch.stack([self._commit(s, int(a)) for s, a in zip(slots, anchors.tolist())])  # [R, d]
@@ -208,22 +216,23 @@ class EagleDrafter(SlotDrafter):
         keys, valid = self.ctx.padded(slots, "k", like)
         vals, _ = self.ctx.padded(slots, "v", like)
         lens = valid.sum(1)
-        temp, top_k, top_p = param_tensors(params, self.device)
-        greedy = [p.greedy for p in params]
+        sampling = SamplingBatch.from_params(params, self.device)
+        uniforms = uniforms.to(self.device)
         tokens = torch.empty(r, gamma, dtype=torch.int64, device=self.device)
-        probs = torch.empty(r, gamma, cfg.vocab_size, device=self.device)
         conf = torch.empty(r, gamma, device=self.device)
+        kept: list[torch.Tensor | None] = []
         for s in range(gamma):
             if s > 0:  # position L−1+s: input (h of the previous step, emb(d_s)); keys: ctx + chain
                 q, k, v = m.qkv(h[:, None], tokens[:, s - 1:s], (lens + s - 1)[:, None])
                 keys, vals = torch.cat([keys, k], dim=1), torch.cat([vals, v], dim=1)
                 valid = torch.cat([valid, torch.ones(r, 1, dtype=torch.bool, device=self.device)], dim=1)
                 h = m.finish(h[:, None], m.attend(q, keys, vals, valid[:, None, :]))[:, 0]
-            logits = m.lm_head(h).float()
             conf[:, s] = m.conf_logit(h).float()
-            probs[:, s] = sampling_probs(logits, temp, top_k, top_p)
-            tokens[:, s] = draw_tokens(probs[:, s], logits, greedy, generators)
-        return DraftBlock(tokens.cpu(), probs.cpu(), conf.cpu())
+            tokens[:, s], probs = sampling.draw(m.lm_head(h).float(), uniforms[:, s])
+            kept.append(probs)
+        sampled = [q for q in kept if q is not None]
+        self.probs.put(slots, [p.greedy for p in params], torch.stack(sampled, 1) if sampled else None)
+        return DraftBlock(tokens, conf)
 
     def save(self, folder: str | Path) -> Path:
         return save_eagle(self.model, folder)

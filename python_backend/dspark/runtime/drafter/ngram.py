@@ -3,8 +3,9 @@ followed the most recent earlier occurrence of the longest suffix (n down to min
 of the request's own sequence (prompt + accepted tokens + anchor).
 
 Proposals are deterministic, so the exact draft distribution is one-hot on each proposed
-token: it returns `probs=None`, which `dspark.runtime.verify` reads as one-hot (lossless at any
-temperature: a rejected token is resampled from p_t with that token removed). Confidence
+token: `draft_probs` returns None, which `dspark.runtime.verify` reads as one-hot (lossless at
+any temperature: a rejected token is resampled from p_t with that token removed). It runs on
+the host (a baseline, not the device-first hot path). Confidence
 logits are high when a match was found (more so for longer matches) and low otherwise,
 so threshold / DSpark policies verify lookups and skip guesses. Defaults give ĉ ≈ 0.44 /
 0.62 / 0.78 for 1 / 2 / 3-token matches (uncalibrated; `dspark calibrate` fits STS)."""
@@ -32,16 +33,21 @@ class NGramDrafter:
     def release(self, slot: int) -> None:
         self.contexts.pop(slot, None)
 
-    def extend(self, slots: list[int], tokens: list[torch.Tensor], taps: list[torch.Tensor]) -> None:
-        for slot, toks in zip(slots, tokens):
-            self.contexts[slot].extend(toks.tolist())
+    def extend(self, slots: list[int], tokens: torch.Tensor, taps: torch.Tensor, cu_seqlens: torch.Tensor,
+               keep: torch.Tensor) -> None:
+        flat, starts = tokens.tolist(), cu_seqlens[:-1].tolist()
+        for slot, start, n in zip(slots, starts, keep.tolist(), strict=True):
+            self.contexts[slot].extend(flat[start:start + n])
 
     def propose(self, slots: list[int], anchors: torch.Tensor, params: list[SamplingParams],
-                generators: list[torch.Generator | None]) -> DraftBlock:
+                uniforms: torch.Tensor) -> DraftBlock:
         rows = [self.lookup(self.contexts[s] + [a]) for s, a in zip(slots, anchors.tolist())]
         tokens = torch.tensor([t for t, _ in rows], dtype=torch.int64).reshape(len(rows), self.gamma)
         conf = torch.tensor([z for _, z in rows], dtype=torch.float32)[:, None].expand(-1, self.gamma)
-        return DraftBlock(tokens, None, conf.contiguous())
+        return DraftBlock(tokens.to(anchors.device), conf.contiguous().to(anchors.device))
+
+    def draft_probs(self, slots: list[int], lengths: torch.Tensor) -> None:
+        return None  # deterministic drafts: one-hot
 
     def lookup(self, seq: list[int]) -> tuple[list[int], float]:
         """-> (γ proposed tokens, confidence logit). A match at i (seq[i:i+k] == the last k tokens,
