@@ -10,13 +10,14 @@ test:             ## fast + integration tests (the CI command)
 test-slow:        ## the slow tests too
 	$(VENV)/python -m pytest -q -m "not gpu"
 
-lint:
+lint:             ## ruff on everything, mypy on the serving runtime
 	$(VENV)/ruff check .
+	$(VENV)/mypy
 
 typecheck:        ## mypy on the serving runtime (python_backend/dspark/runtime + wiring.py)
 	$(VENV)/mypy
 
-serve:            ## Triton server on the shipped demo model
+serve:            ## Triton server on the default model (SmolLM2-135M-Instruct)
 	$(VENV)/dspark serve
 
 demo-assets:      ## rebuild corpus, tokenizer and demo target (about an hour on 2 cores)

@@ -282,6 +282,27 @@ def test_dspark_save_load_roundtrip(target, tmp_path):
     assert stored < d.model.trainable_bytes() + 20_000  # the shared embedding / LM head are not stored
 
 
+def test_drafter_loads_from_shared_weights_alone(target, tiny_ckpt, tmp_path):
+    """The Triton `drafter` model loads the target's embedding / LM head / final norm from the
+    checkpoint (SharedWeights), not a second target: same tensors, same tap layers, same drafts."""
+    from dspark.runtime.loader import SharedWeights
+
+    shared = SharedWeights(tiny_ckpt)
+    assert shared.tap_layers == target.tap_layers
+    for a, b in zip(shared_weights(shared), shared_weights(target)):
+        assert torch.equal(a, b)
+    d = make_dspark(target, "markov")
+    save_dspark(d.model, tmp_path / "dsp")
+    prompts, taps = prompts_and_taps(target)
+    outs = []
+    for owner in (target, shared):
+        drafter = load_drafter(str(tmp_path / "dsp"), owner, gamma=4)
+        start_all(drafter, prompts, taps, [0, 1])
+        outs.append(drafter.propose([0, 1], torch.tensor([5, 9]), MIXED, uniforms(2, 4)))
+    assert torch.equal(outs[0].tokens, outs[1].tokens)
+    assert torch.equal(outs[0].conf_logits, outs[1].conf_logits)
+
+
 def test_eagle_interface_and_unrolled_training_equals_serving(target, tmp_path):
     d = make_eagle(target)
     d.gamma = G

@@ -1,8 +1,8 @@
 """The default model through Triton: SmolLM2-135M-Instruct served by `dspark serve` with a drafter
 on (every step verifies drafts: policy fixed:3) answers, over the ensemble and the direct BLS
 path, concurrently, exactly the text of the in-process engine's greedy plain decoding.
-DSPARK_TEST_DRAFTER picks the drafter (default ngram; a trained one once build/smollm2/drafters
-has it, e.g. dspark-markov)."""
+The drafter is the shipped dspark-markov, run by the separate `drafter` model on the target's
+shared weights alone; DSPARK_TEST_DRAFTER picks another (e.g. ngram)."""
 
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ import generate_client as client  # noqa: E402
 pytestmark = pytest.mark.integration
 
 TOKENS = 32
-DRAFTER = os.environ.get("DSPARK_TEST_DRAFTER", "ngram")
+DRAFTER = os.environ.get("DSPARK_TEST_DRAFTER", "dspark-markov")
 
 
 @pytest.fixture(scope="module")
@@ -98,4 +98,6 @@ def test_smollm2_greedy_through_triton_equals_in_process(server, prompts, expect
         after["dspark_verified_tokens_total"] > before["dspark_verified_tokens_total"]
     )  # drafts were verified
     assert after["dspark_drafter_fallbacks_total"] == 0
+    if DRAFTER != "ngram":  # a trained drafter gets drafts accepted on these prompts
+        assert after["dspark_accepted_tokens_total"] > before["dspark_accepted_tokens_total"]
     assert "Paris" in expected[0]

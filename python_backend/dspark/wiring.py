@@ -140,15 +140,20 @@ def torch_dtype(spec: Spec, device: torch.device | None = None) -> torch.dtype:
     return DTYPES[spec.dtype]
 
 
+def set_threads(spec: Spec, device: torch.device) -> None:
+    """torch's intra-op threads for this process: the spec's, else AUTO_CPU_THREADS on the CPU."""
+    threads = spec.num_threads or (AUTO_CPU_THREADS if device.type == "cpu" else 0)
+    if threads > 0:
+        torch.set_num_threads(threads)
+
+
 def load_target(spec: Spec, num_taps: int = 3, compile: bool = False):
     """The in-process target engine (`TargetEngine`) described by the spec (compile: see
     `TargetEngine`; off by default, a benchmark option)."""
     from dspark.runtime.target import TargetEngine
 
     device = torch_device(spec)
-    threads = spec.num_threads or (AUTO_CPU_THREADS if device.type == "cpu" else 0)
-    if threads > 0:
-        torch.set_num_threads(threads)
+    set_threads(spec, device)
     quant = QUANTIZED.get(spec.dtype)
     if quant is not None and device.type != "cpu":
         raise ValueError(f"setting 'dtype': {spec.dtype} runs torch's CPU int4 kernels; use device cpu")
@@ -156,6 +161,18 @@ def load_target(spec: Spec, num_taps: int = 3, compile: bool = False):
                                         max_seq_len=spec.max_seq_len, device=device,
                                         dtype=torch_dtype(spec, device), num_taps=num_taps, quant=quant,
                                         compile=compile)
+
+
+def load_shared_weights(spec: Spec, num_taps: int = 3):
+    """The target's embedding, LM head and final norm alone (`SharedWeights`), on the target's
+    device and dtype: all a trained drafter needs from its target when it runs in a process
+    of its own (the Triton `drafter` model)."""
+    from dspark.runtime.loader import SharedWeights
+
+    device = torch_device(spec)
+    set_threads(spec, device)
+    return SharedWeights(model_folder(spec.model), device=device, dtype=torch_dtype(spec, device),
+                         num_taps=num_taps)
 
 
 def drafter_folder(spec: Spec, name: str | None = None) -> Path | None:

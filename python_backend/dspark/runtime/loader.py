@@ -138,3 +138,41 @@ def save_pretrained(model: Transformer, config: ModelConfig, folder: str | Path,
                    "eos_token": name(eos[0] if eos else None), "pad_token": name(config.pad_token_id)}
         (folder / "tokenizer_config.json").write_text(json.dumps(tok_cfg, indent=2) + "\n")
     return folder
+
+
+class _Weight:
+    """A bare `.weight` holder, shaped like the nn.Module attributes drafters read."""
+
+    def __init__(self, weight: torch.Tensor) -> None:
+        self.weight = weight
+
+
+class SharedWeights:
+    """What a drafter shares with its target, without the target: the embedding, the LM head
+    (None when tied) and the final norm, read from the checkpoint alone, plus the tap layers
+    and sizes. A drafter running in its own process (the Triton `drafter` model) loads this
+    instead of a whole second target (for SmolLM2: ~57 MB instead of ~650 MB with KV slots)."""
+
+    NAMES = ("model.embed_tokens.weight", "lm_head.weight", "model.norm.weight")
+
+    def __init__(self, folder: str | Path, device: str | torch.device = "cpu",
+                 dtype: torch.dtype = torch.float32, num_taps: int = 3) -> None:
+        from dspark.runtime.model import default_tap_layers
+
+        cfg = load_config(folder)
+        found: dict[str, torch.Tensor] = {}
+        for path in _weight_files(Path(folder)):
+            with safe_open(str(path), framework="pt") as f:
+                for name in set(self.NAMES) & set(f.keys()):
+                    found[name] = f.get_tensor(name).to(device=device, dtype=dtype)
+        need = [n for n in self.NAMES if n != "lm_head.weight" or not cfg.tie_word_embeddings]
+        missing = [n for n in need if n not in found]
+        if missing:
+            raise ValueError(f"checkpoint {folder} is missing tensor(s): {', '.join(missing)}")
+        self.config = cfg
+        self.vocab_size = cfg.vocab_size
+        self.device = torch.device(device)
+        self.tap_layers = default_tap_layers(cfg.num_hidden_layers, num_taps)
+        self.embed_tokens = _Weight(found["model.embed_tokens.weight"])
+        self.lm_head_proj = None if cfg.tie_word_embeddings else _Weight(found["lm_head.weight"])
+        self.norm = _Weight(found["model.norm.weight"])

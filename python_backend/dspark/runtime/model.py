@@ -10,7 +10,9 @@ Two forwards share the same weights:
 from __future__ import annotations
 
 import functools
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Protocol, cast
 
 import torch
 import torch.nn.functional as F
@@ -63,6 +65,13 @@ def apply_rope_swapped(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Ten
     rotate_half(x) * sin == roll(x, hd/2) * [-sin1, sin2], so the same products and roundings
     as HF's formula in one op fewer. x [N, heads, hd]; cos / sin_signed [N, hd]."""
     return x * cos[:, None, :] + x.roll(x.shape[-1] // 2, -1) * sin_signed[:, None, :]
+
+
+class Projection(Protocol):
+    """A serving projection x [..., in] -> [..., out]: `Dense`, `PackedLinear` or
+    `dspark.runtime.quant.Int4Linear`."""
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor: ...
 
 
 class Dense:
@@ -225,17 +234,18 @@ class Attention(nn.Module):
         super().__init__()
         d, hd = cfg.hidden_size, cfg.head_dim
         self.n_heads, self.n_kv, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, hd
-        self.q_proj = nn.Linear(d, self.n_heads * hd, bias=cfg.qkv_bias)
-        self.k_proj = nn.Linear(d, self.n_kv * hd, bias=cfg.qkv_bias)
-        self.v_proj = nn.Linear(d, self.n_kv * hd, bias=cfg.qkv_bias)
+        qkv_bias = bool(cfg.qkv_bias)  # a bool once ModelConfig.__post_init__ resolved the family default
+        self.q_proj = nn.Linear(d, self.n_heads * hd, bias=qkv_bias)
+        self.k_proj = nn.Linear(d, self.n_kv * hd, bias=qkv_bias)
+        self.v_proj = nn.Linear(d, self.n_kv * hd, bias=qkv_bias)
         self.o_proj = nn.Linear(self.n_heads * hd, d, bias=cfg.o_bias)
         self.q_norm = RMSNorm(hd, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(hd, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.scale = hd ** -0.5
         self.eps = cfg.rms_norm_eps
         # serving layout, set by fuse() (or by dspark.runtime.quant for int4 weights)
-        self.qkv: Dense | None = None
-        self.out: Dense | None = None
+        self.qkv: Projection | None = None
+        self.out: Projection | None = None
         self.qk_norm_weight: torch.Tensor | None = None
 
     @torch.no_grad()
@@ -257,13 +267,14 @@ class Attention(nn.Module):
             self.qkv = serving_linear(weight, bias, prepack)
         if self.out is None:
             self.out = serving_linear(self.o_proj.weight, self.o_proj.bias, prepack)
-        if self.q_norm is not None:
+        if self.q_norm is not None and self.k_norm is not None:  # both or neither (cfg.qk_norm)
             hd = self.head_dim
             self.qk_norm_weight = torch.cat([self.q_norm.weight.expand(self.n_heads, hd),
                                              self.k_norm.weight.expand(self.n_kv, hd)])
 
     def qkv_heads(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Fused layout: x [..., D] -> (q and k together [..., H + Hkv, hd] normed, v [..., Hkv, hd])."""
+        assert self.qkv is not None, "fused layout only: call fuse() first"
         h, hd = self.n_heads + self.n_kv, self.head_dim
         qkv = self.qkv(x).view(*x.shape[:-1], h + self.n_kv, hd)
         qk, v = qkv[..., :h, :], qkv[..., h:, :]
@@ -281,7 +292,7 @@ class Attention(nn.Module):
         q = self.q_proj(x).view(*lead, self.n_heads, self.head_dim)
         k = self.k_proj(x).view(*lead, self.n_kv, self.head_dim)
         v = self.v_proj(x).view(*lead, self.n_kv, self.head_dim)
-        if self.q_norm is not None:
+        if self.q_norm is not None and self.k_norm is not None:  # both or neither (cfg.qk_norm)
             q, k = self.q_norm(q), self.k_norm(k)
         return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
 
@@ -297,6 +308,7 @@ class Attention(nn.Module):
 
     def forward_ragged(self, x, cos, sin_signed, k_cache, v_cache, meta: AttnMeta):
         """Fused layout only (after `fuse`); cos / sin_signed from `Transformer.rope_tables`."""
+        assert self.out is not None, "fused layout only: call fuse() first"
         qk, v = self.qkv_heads(x)
         qk = apply_rope_swapped(qk, cos, sin_signed)
         q, k = qk[:, :self.n_heads], qk[:, self.n_heads:]
@@ -315,8 +327,8 @@ class MLP(nn.Module):
         self.gate_proj = nn.Linear(d, f, bias=cfg.mlp_bias)
         self.up_proj = nn.Linear(d, f, bias=cfg.mlp_bias)
         self.down_proj = nn.Linear(f, d, bias=cfg.mlp_bias)
-        self.gate_up: Dense | None = None  # serving layout, set by fuse() (or dspark.runtime.quant)
-        self.down: Dense | None = None
+        self.gate_up: Projection | None = None  # serving layout, set by fuse() (or dspark.runtime.quant)
+        self.down: Projection | None = None
 
     @torch.no_grad()
     def fuse(self, prepack: bool = True) -> None:
@@ -338,6 +350,7 @@ class MLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.gate_up is None:
             return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        assert self.down is not None  # set together with gate_up (fuse / quant)
         gate, up = self.gate_up(x).chunk(2, dim=-1)
         return self.down(F.silu(gate) * up)
 
@@ -354,6 +367,8 @@ class Block(nn.Module):
 class Transformer(nn.Module):
     """Parameter names mirror HF's (minus the `model.` prefix) so loading is a rename."""
 
+    inv_freq: torch.Tensor  # buffer (non-persistent), registered in __init__
+
     def __init__(self, cfg: ModelConfig, tap_layers: list[int] | None = None, num_taps: int = 3) -> None:
         super().__init__()
         self.config = cfg
@@ -367,8 +382,9 @@ class Transformer(nn.Module):
         if any(not 0 <= i < cfg.num_hidden_layers for i in self.tap_layers):
             raise ValueError(f"tap_layers {self.tap_layers} outside [0, {cfg.num_hidden_layers})")
         self.register_buffer("inv_freq", rope_inv_freq(cfg), persistent=False)
-        self.head: Dense | PackedLinear | None = None  # serving LM head, set by fuse_for_inference()
-        self.rope_cos = self.rope_sin_signed = None  # set by rope_tables()
+        self.head: Projection | None = None  # serving LM head, set by fuse_for_inference()
+        self.rope_cos: torch.Tensor | None = None  # set by rope_tables()
+        self.rope_sin_signed: torch.Tensor | None = None
         self.apply(self._init_weights)
 
     @staticmethod
@@ -380,6 +396,11 @@ class Transformer(nn.Module):
         elif isinstance(m, nn.Embedding):
             nn.init.normal_(m.weight, std=0.02)
 
+    @property
+    def blocks(self) -> Sequence[Block]:
+        """`layers` with its item type (to mypy, nn.ModuleList holds plain nn.Module)."""
+        return cast("Sequence[Block]", self.layers)
+
     def _apply(self, fn, recurse=True):
         super()._apply(fn, recurse)
         # RoPE frequencies stay f32 whatever dtype the weights are cast to
@@ -390,7 +411,7 @@ class Transformer(nn.Module):
         """Serving layout, built once (call when the weights are final and on their device):
         fused q/k/v and gate/up matmuls, every projection and the LM head prepacked for oneDNN
         on CPU (`serving_linear`), RoPE tables for `max_positions` positions."""
-        for layer in self.layers:
+        for layer in self.blocks:
             layer.self_attn.fuse(prepack)
             layer.mlp.fuse(prepack)
         self.head = serving_linear(self.lm_head_weight, prepack=prepack)
@@ -427,14 +448,13 @@ class Transformer(nn.Module):
         """Plain causal pass over tokens [B, T] -> (final-normed hidden [B,T,D], taps [B,T,n_taps*D])."""
         x = self.embed(tokens)
         cos, sin = rope_cos_sin(self.inv_freq, torch.arange(tokens.shape[1], device=tokens.device), x.dtype)
-        taps = [None] * len(self.tap_layers)
-        for i, layer in enumerate(self.layers):
+        taps: dict[int, torch.Tensor] = {}  # layer id -> its output (tap_layers checked in __init__)
+        for i, layer in enumerate(self.blocks):
             x = x + layer.self_attn.forward_train(layer.input_layernorm(x), cos, sin)
             x = x + layer.mlp(layer.post_attention_layernorm(x))
-            for j, t in enumerate(self.tap_layers):
-                if t == i:
-                    taps[j] = x
-        return self.norm(x), torch.cat(taps, dim=-1)
+            if i in self.tap_layers:
+                taps[i] = x
+        return self.norm(x), torch.cat([taps[t] for t in self.tap_layers], dim=-1)
 
     def forward_train(self, tokens: torch.Tensor) -> torch.Tensor:
         """tokens [B, T] -> logits [B, T, V] (causal; supports autograd)."""
@@ -449,17 +469,18 @@ class Transformer(nn.Module):
         """Cached forward of a flattened ragged batch tokens [N] (writes K/V at `meta` positions);
         needs the serving layout (`fuse_for_inference`) with RoPE tables past the largest position.
         -> (logits [N or len(logits_rows), V], taps [N, n_taps*D], final-normed hidden [N, D])."""
+        cos_table, sin_table = self.rope_cos, self.rope_sin_signed
+        assert cos_table is not None and sin_table is not None, "call fuse_for_inference() first"
         x = self.embed(tokens)
-        cos = self.rope_cos.index_select(0, meta.positions)
-        sin = self.rope_sin_signed.index_select(0, meta.positions)
-        taps = [None] * len(self.tap_layers)
-        for i, layer in enumerate(self.layers):
+        cos = cos_table.index_select(0, meta.positions)
+        sin = sin_table.index_select(0, meta.positions)
+        taps: dict[int, torch.Tensor] = {}  # layer id -> its output (tap_layers checked in __init__)
+        for i, layer in enumerate(self.blocks):
             attn = layer.self_attn
             x = x + attn.forward_ragged(layer.input_layernorm(x), cos, sin, k_caches[i], v_caches[i], meta)
             x = x + layer.mlp(layer.post_attention_layernorm(x))
-            for j, t in enumerate(self.tap_layers):
-                if t == i:
-                    taps[j] = x
+            if i in self.tap_layers:
+                taps[i] = x
         hidden = self.norm(x)
         logits = self.lm_head(hidden if logits_rows is None else hidden[logits_rows])
-        return logits, torch.cat(taps, dim=-1), hidden
+        return logits, torch.cat([taps[t] for t in self.tap_layers], dim=-1), hidden

@@ -58,7 +58,8 @@ class Q4_1Tensor:
 
     @property
     def shape(self) -> tuple[int, int]:
-        return self.q.shape
+        rows, cols = self.q.shape
+        return rows, cols
 
     def rows(self, order: np.ndarray) -> Q4_1Tensor:
         return Q4_1Tensor(self.q[order], self.d[order], self.m[order])

@@ -50,13 +50,14 @@ class TargetEngine:
         self.model = model.to(device=device, dtype=dtype).eval().requires_grad_(False)
         # weights (fused, prepacked) and RoPE tables laid out once
         self.model.fuse_for_inference(max_positions=max_seq_len, prepack=not compile)
+        self._forward_ragged = self.model.forward_ragged
         if compile:
             import torch._inductor.config as inductor_config
 
             # process-wide (an options={"freezing": True} argument is not applied, checked on the
             # generated code): inductor folds the weights as constants and prepacks them for oneDNN
             inductor_config.freezing = True
-            self.model.forward_ragged = torch.compile(self.model.forward_ragged, dynamic=True)
+            self._forward_ragged = torch.compile(self.model.forward_ragged, dynamic=True)
         self.config = config
         self.tokenizer = tokenizer
         self.device = torch.device(device)
@@ -179,7 +180,7 @@ class TargetEngine:
         meta = build_attn_meta(batch.seq_idx, batch.positions, batch.cu_seqlens, batch.slots, self.n_groups,
                                self.device)
         tokens = batch.tokens.to(self.device, non_blocking=True)
-        logits, taps, _ = self.model.forward_ragged(
+        logits, taps, _ = self._forward_ragged(
             tokens, meta, self.cache.k, self.cache.v,
             None if logits_rows is None else logits_rows.to(self.device, non_blocking=True))
         for slot, start, n in zip(slots, starts, lens):

@@ -54,7 +54,9 @@ class DraftLMDrafter:
         self._known: dict[int, list[int]] = {}  # tokens of the request that are final
         self.probs = DraftProbStore()
 
-    gamma = property(lambda self: self._gamma)
+    @property
+    def gamma(self) -> int:
+        return self._gamma
 
     @gamma.setter
     def gamma(self, value: int) -> None:

@@ -17,8 +17,10 @@ Embedding and LM head are the target's, frozen and shared (never stored with the
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, fields
+from collections.abc import Sequence
+from dataclasses import Field, asdict, dataclass, fields
 from pathlib import Path
+from typing import Any, ClassVar, Self, cast
 
 import torch
 import torch.nn.functional as F
@@ -35,11 +37,13 @@ from dspark.runtime.sampling import SamplingBatch, SamplingParams
 class JsonConfig:
     """config.json round trip for drafter config dataclasses; unknown keys are ignored."""
 
+    __dataclass_fields__: ClassVar[dict[str, Field[Any]]]  # set by @dataclass on each subclass
+
     def to_json(self) -> dict:
         return asdict(self)
 
     @classmethod
-    def from_json(cls, d: dict):
+    def from_json(cls, d: dict) -> Self:
         names = {f.name for f in fields(cls)}
         return cls(**{k: v for k, v in d.items() if k in names})
 
@@ -121,6 +125,9 @@ class DSparkModel(nn.Module):
     """Trainable parameters of the drafter. The target's embedding / LM-head weights are
     attached with `attach_shared` as plain tensors (not parameters: frozen, not saved)."""
 
+    inv_freq: torch.Tensor  # buffers, registered in __init__
+    tap_scale: torch.Tensor | None  # None unless cfg.tap_norm
+
     def __init__(self, cfg: DSparkConfig) -> None:
         super().__init__()
         if not 1 <= cfg.gamma <= cfg.block_size:
@@ -162,11 +169,18 @@ class DSparkModel(nn.Module):
             self.mask_embedding.copy_(row.float())
             self.norm.weight.copy_(norm_weight.float())
 
+    @property
+    def draft_layers(self) -> Sequence[DraftLayer]:
+        """`layers` with its item type (to mypy, nn.ModuleList holds plain nn.Module)."""
+        return cast("Sequence[DraftLayer]", self.layers)
+
     def embed(self, tokens: torch.Tensor) -> torch.Tensor:
+        assert self.embed_weight is not None, "attach_shared() first"
         return F.embedding(tokens, self.embed_weight).to(self.fc.weight.dtype)
 
     def lm_head(self, h: torch.Tensor) -> torch.Tensor:
         """U = lm_head(norm(h)) with the target's LM-head weight."""
+        assert self.lm_head_weight is not None, "attach_shared() first"
         return F.linear(self.norm(h), self.lm_head_weight.to(h.dtype))
 
     def rope(self, positions: torch.Tensor, dtype: torch.dtype):
@@ -176,7 +190,7 @@ class DSparkModel(nn.Module):
         """taps [B, L, tap_dim] at positions [B, L] -> per layer (k, v) [B, L, Hkv, hd]."""
         h_ctx = self.ctx_norm(self.fc(taps.to(self.fc.weight.dtype)))
         cos, sin = self.rope(positions, h_ctx.dtype)
-        return [layer.kv(h_ctx, cos, sin) for layer in self.layers]
+        return [layer.kv(h_ctx, cos, sin) for layer in self.draft_layers]
 
     def backbone(self, x: torch.Tensor, positions: torch.Tensor, ctx_kv, mask: torch.Tensor) -> torch.Tensor:
         """Block stream x [B, Q, d] at positions [B, Q]; mask [B, Q, C+Q] -> h [B, Q, d]."""

@@ -50,6 +50,9 @@ class EagleConfig(JsonConfig):
 
 
 class EagleModel(nn.Module):
+    inv_freq: torch.Tensor  # buffers, registered in __init__
+    tap_scale: torch.Tensor | None  # None unless cfg.tap_norm
+
     def __init__(self, cfg: EagleConfig) -> None:
         super().__init__()
         self.config = cfg
@@ -87,6 +90,7 @@ class EagleModel(nn.Module):
             self.norm.weight.copy_(norm_weight.float())
 
     def lm_head(self, h: torch.Tensor) -> torch.Tensor:
+        assert self.lm_head_weight is not None, "attach_shared() first"
         return F.linear(self.norm(h), self.lm_head_weight.to(h.dtype))
 
     def features(self, taps: torch.Tensor) -> torch.Tensor:
@@ -96,6 +100,7 @@ class EagleModel(nn.Module):
     def qkv(self, feat: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor):
         """feat [B, Q, d], tokens [B, Q] (the next token of each position), positions [B, Q]
         -> q [B, Q, H, hd], k, v [B, Q, Hkv, hd]."""
+        assert self.embed_weight is not None, "attach_shared() first"
         b, q_len, _ = feat.shape
         e = F.embedding(tokens, self.embed_weight).to(feat.dtype)
         x = torch.cat([self.emb_norm(e), self.hid_norm(feat)], dim=-1)
@@ -193,6 +198,7 @@ class EagleDrafter(SlotDrafter):
         anchor is) and return h of the last position (its logits give d_1) -> [d]."""
         m = self.model
         feat, tok = self.ctx.get(slot, "feat"), self.ctx.get(slot, "tok")
+        assert feat is not None and tok is not None, f"slot {slot} has no context: start() it first"
         n, done = tok.shape[0], self.ctx.length(slot, "k")
         nxt = torch.cat([tok[1:], torch.tensor([anchor], device=self.device)])
         lo = min(done, n - 1)  # always recompute the last position: we need its h
@@ -200,7 +206,9 @@ class EagleDrafter(SlotDrafter):
         if done < n:
             self.ctx.append(slot, "k", k[0, done - lo:])
             self.ctx.append(slot, "v", v[0, done - lo:])
-        keys, vals = self.ctx.get(slot, "k")[None], self.ctx.get(slot, "v")[None]
+        keys, vals = self.ctx.get(slot, "k"), self.ctx.get(slot, "v")
+        assert keys is not None and vals is not None  # the first commit of a slot appends (done = 0 < n)
+        keys, vals = keys[None], vals[None]
         rows = torch.arange(lo, n, device=self.device)
         mask = torch.arange(n, device=self.device)[None, :] <= rows[:, None]
         h = m.finish(feat[None, lo:], m.attend(q, keys, vals, mask[None]))
