@@ -38,7 +38,7 @@ def test_scheduler_policies_are_not_biased():
     assert ell["dspark"] > 0.5  # it does verify drafts here, and stays exact
     # the drafting-cost rule, from past steps only: a cheap drafter keeps drafting, an expensive
     # one mostly runs plain steps (probing now and then); both leave the output unbiased
-    assert ell["dspark+cost:0.05"] > 0.5 and 0.02 < ell["dspark+cost:0.3"] < 0.3
+    assert ell["dspark+cost:0.05"] > 0.5 and 0.0 < ell["dspark+cost:0.3"] < 0.1  # probes back off
 
 
 def test_cli_writes_json(tmp_path):

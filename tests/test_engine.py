@@ -463,9 +463,10 @@ def test_bench_smoke(tiny_ckpt, tmp_path):
     out = tmp_path / "bench.json"
     assert main(["bench", "--model", str(tiny_ckpt), "--drafter", "ngram", "--sps", "gpu_shaped",
                  "--n-prompts", "1", "--max-tokens", "6", "--concurrency", "1,2", "--no-hf", "--no-llamacpp",
-                 "--num-threads", "1", "--out", str(out)]) == 0
+                 "--num-threads", "1", "--repeats", "2", "--out", str(out)]) == 0
     result = json.loads(out.read_text())
     batch1 = result["batch1_tokens_per_s"]
+    assert len(result["runs"]["c2_dspark"]["aggregate_runs"]) == 2  # every cell ran twice
     assert set(batch1) == {"dspark", "plain", "hf_plain", "hf_assisted", "hf_prompt_lookup", "llamacpp_q4_1",
                            "llamacpp_bf16", "llamacpp_prompt_lookup"}
     assert batch1["dspark"] > 0 and batch1["plain"] > 0 and result["tau"] >= 1.0

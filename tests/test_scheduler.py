@@ -225,7 +225,8 @@ def test_draft_or_skip_reads_only_step_t_minus_2():
 def test_cost_rule_skips_drafting_only_when_it_is_slower_than_plain():
     """Θ_spec = max_K (R + Σ top-K a) / (t_draft + 1/SPS(R+K)) against plain R · SPS(R): with a
     5 ms drafter on a flat 10 ms verify, confident survivals (Σ a ≈ 4.2 per request) pay and
-    unconfident ones (0.05) do not; no measured cost yet -> draft; skipping probes every 16 steps."""
+    unconfident ones (0.05) do not; no measured cost yet -> draft; while skipping, probes after 16
+    skipped steps, then 32, 64, ... (up to 256), and after 16 again once speculation pays."""
     flat = SPSTable([1, 1024], [100.0, 99.0])
     r, gamma = 8, 7
     rem = torch.full((r,), 1000)
@@ -236,11 +237,15 @@ def test_cost_rule_skips_drafting_only_when_it_is_slower_than_plain():
     policy.decide(low, rem)
     assert policy.wants_draft(r)  # nothing measured: draft
     policy.observe_draft(r, 0.005)
-    decisions = [policy.wants_draft(r) for _ in range(34)]
-    assert decisions.count(True) == 2 and decisions[16] and decisions[33]  # probes only
+    decisions = [policy.wants_draft(r) for _ in range(16 + 1 + 32 + 1 + 64 + 1)]
+    probes = [i for i, d in enumerate(decisions) if d]
+    assert probes == [16, 16 + 1 + 32, 16 + 1 + 32 + 1 + 64]  # probes only, backing off
+    long_run = [policy.wants_draft(r) for _ in range(3000)]
+    assert 3000 // 257 <= long_run.count(True) <= 3000 // 128  # capped at one probe per 256 skips
     for _ in range(8):  # the average curve follows confident steps within a few steps
         policy.decide(high, rem)
     assert policy.wants_draft(r)
+    assert policy.probe_interval == policy.probe_every  # speculation paid: probing starts over
     # a free drafter: speculation never loses to plain on a flat SPS
     free = make_policy("dspark", sps=flat, gamma=gamma, draft_cost=DraftCost({r: 1e-9}))
     free.decide(low, rem)
