@@ -315,13 +315,13 @@ def main(argv: list[str] | None = None) -> int:
         "locust_exit_code": proc.returncode,
         "warmup_locust_exit_code": warm.returncode,
         "settings": {k: v for k, v in vars(args).items() if k not in ("out", "workdir", "model_repository")},
-        "workdir": str(work),
         "openai": server.openai is not None,
     }
     result["settings"]["tokenizer"] = os.path.relpath(args.tokenizer, REPO_ROOT)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2, default=str) + "\n")
     print(json.dumps({k: result[k] for k in list(result)[:9]}, indent=2))
+    print(f"[soak] Locust CSVs and the server log: {work}")
     ok = (
         not unexpected
         and result["slots_in_use_after"] == 0
