@@ -50,14 +50,13 @@ def expected(smollm2_fp32, prompts):
     return out
 
 
-@pytest.fixture(scope="module")
-def server(smollm2_folder, tmp_path_factory):
-    log = tmp_path_factory.mktemp("serve") / "serve.log"
-    srv = Serve(
+def start_server(tmp_path_factory, dtype: str) -> Serve:
+    log = tmp_path_factory.mktemp(f"serve_{dtype}") / "serve.log"
+    return Serve(
         "--model",
         "smollm2",
         "--dtype",
-        "fp32",
+        dtype,
         "--device",
         "cpu",
         "--drafter",
@@ -72,6 +71,11 @@ def server(smollm2_folder, tmp_path_factory):
         "1",
         log=log,
     ).start()
+
+
+@pytest.fixture(scope="module")
+def server(smollm2_folder, tmp_path_factory):
+    srv = start_server(tmp_path_factory, "fp32")
     try:
         yield srv.wait_ready(600)
     finally:
@@ -101,3 +105,24 @@ def test_smollm2_greedy_through_triton_equals_in_process(server, prompts, expect
     if DRAFTER != "ngram":  # a trained drafter gets drafts accepted on these prompts
         assert after["dspark_accepted_tokens_total"] > before["dspark_accepted_tokens_total"]
     assert "Paris" in expected[0]
+
+
+def test_smollm2_bf16_drafter_gets_taps_through_bls(smollm2_folder, prompts, tmp_path_factory):
+    """The served default dtype (bf16): the target's bf16 taps reach the `drafter` model, whose
+    config declares them FP32 (the BLS sends float tensors as fp32), so no drafter call fails
+    and drafts are accepted. A bf16 target used to fail every `drafter.start` (INVALID_ARG
+    'taps' BF16 vs FP32): every request silently decoded plain."""
+    srv = start_server(tmp_path_factory, "bf16")
+    try:
+        srv.wait_ready(600)
+        before = wait_idle(srv.metrics_url)
+        with ThreadPoolExecutor(len(prompts)) as pool:
+            texts = list(pool.map(lambda p: "".join(client.generate_grpc(srv.grpc_url, p, TOKENS)), prompts))
+        after = wait_idle(srv.metrics_url)
+    finally:
+        srv.stop()
+    assert all(texts)
+    assert after["dspark_drafter_fallbacks_total"] == before["dspark_drafter_fallbacks_total"]
+    assert after["dspark_verified_tokens_total"] > before["dspark_verified_tokens_total"]
+    if DRAFTER != "ngram":
+        assert after["dspark_accepted_tokens_total"] > before["dspark_accepted_tokens_total"]

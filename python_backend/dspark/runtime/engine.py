@@ -16,6 +16,7 @@ together. Steps that admit new requests also wait for their first token and firs
 from __future__ import annotations
 
 import itertools
+import logging
 import threading
 import time
 from collections import deque
@@ -38,6 +39,8 @@ from dspark.runtime.sampling import (
 from dspark.runtime.scheduler import Policy, make_policy, sts_survival
 from dspark.runtime.sps import SPSTable
 from dspark.runtime.verify import verify_ragged
+
+log = logging.getLogger(__name__)
 
 # on_tokens(request_id, new_ids, finished, reason): reason is None until finished, then one
 # of "stop" (stop token or string), "length" (max_tokens or max_seq_len), "cancelled".
@@ -147,6 +150,7 @@ class SpecEngine:
         self._ids = itertools.count()
         self._next: _Drafts | None = None  # drafts proposed at the end of the last step
         self._draft_next: bool | None = None  # the policy's draft/skip choice for the next step
+        self._logged_failures: set[str] = set()  # drafter calls whose first failure was logged
 
     def reset_metrics(self) -> None:
         g = self.gamma
@@ -378,7 +382,7 @@ class SpecEngine:
             block = drafter.propose([r.slot for r in reqs], anchors, [r.params for r in reqs],
                                          philox_uniforms(keys, counters, self.gamma, STREAM_DRAFT))
         except Exception:
-            self.metrics.drafter_fallbacks += 1
+            self._fallback("propose")
             return None
         policy.observe_draft(len(reqs), time.perf_counter() - t0)  # the cost rule's t_draft(R)
         return block
@@ -431,9 +435,18 @@ class SpecEngine:
         try:
             self._parts()[0].extend([reqs[i].slot for i in live], tokens, taps, cu, keep)
         except Exception:  # those requests stop drafting (plain from now: still lossless)
-            self.metrics.drafter_fallbacks += 1
+            self._fallback("extend")
             for i in live:
                 reqs[i].drafting = False
+
+    def _fallback(self, call: str) -> None:
+        """A drafter call failed: count it, and log the first failure of each call with its
+        traceback (later ones only count: a broken drafter must not flood the log)."""
+        self.metrics.drafter_fallbacks += 1
+        if call not in self._logged_failures:
+            self._logged_failures.add(call)
+            log.warning("drafter %s failed; those requests decode plain (lossless). First failure:",
+                        call, exc_info=True)
 
     def _count(self, r: Request, ell: int, n: int, drafted: bool) -> None:
         m = self.metrics
@@ -488,7 +501,7 @@ class SpecEngine:
                 try:
                     self._parts()[0].start(r.slot, r.prompt, tp)
                 except Exception:
-                    self.metrics.drafter_fallbacks += 1
+                    self._fallback("start")
                     r.drafting = False
         for r, tok in zip(new, first.tolist()):
             self._emit(r, [tok], from_verify=False)
@@ -518,6 +531,6 @@ class SpecEngine:
             try:
                 self._parts()[0].release(r.slot)
             except Exception:
-                self.metrics.drafter_fallbacks += 1
+                self._fallback("release")
         if r.on_tokens and not r.notified:  # cancelled while active
             r.on_tokens(r.request_id, [], True, r.finish_reason)

@@ -164,6 +164,11 @@ class RemoteModel:
         if unknown:
             raise ValueError(f"{self.model_name} declares no input {sorted(unknown)}")
         pb = self.pb_utils
+        # Triton checks request inputs against config.pbtxt, which declares float inputs FP32
+        # (one config serves fp32 and bf16 targets): a bf16 tensor (taps of a bf16 target) goes
+        # as fp32 and the receiving model casts it to its own dtype. Outputs are not checked.
+        tensors = {n: t.float() if t.is_floating_point() and t.dtype != torch.float32 else t
+                   for n, t in tensors.items()}
         inputs = [_string(pb, "call", message)] + [_to_pb(pb, n, t) for n, t in tensors.items()]
         response = pb.InferenceRequest(
             model_name=self.model_name, inputs=inputs, requested_output_names=self.output_names
