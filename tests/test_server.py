@@ -420,6 +420,41 @@ def test_serve_prints_its_binds_and_reports_a_dead_tritonserver(tmp_path):
         srv.stop()
 
 
+def test_tritonserver_does_not_outlive_a_killed_dspark_serve(tmp_path):
+    """`dspark serve` killed outright (SIGKILL: no cleanup can run in it) takes its tritonserver
+    with it (PR_SET_PDEATHSIG -> SIGTERM, a graceful exit): no orphan keeps the ports."""
+    model = tmp_path / "repo" / "echo"
+    (model / "1").mkdir(parents=True)
+    (model / "config.pbtxt").write_text(
+        'backend: "python"\nmax_batch_size: 0\n'
+        'input [ { name: "x" data_type: TYPE_INT32 dims: [ 1 ] } ]\n'
+        'output [ { name: "y" data_type: TYPE_INT32 dims: [ 1 ] } ]\n'
+    )
+    (model / "1" / "model.py").write_text(
+        "import triton_python_backend_utils as pb_utils\n"
+        "class TritonPythonModel:\n"
+        "    def execute(self, requests):\n"
+        "        return [pb_utils.InferenceResponse([]) for r in requests]\n"
+    )
+    srv = Serve("--model", "demo", repo=tmp_path / "repo", log=tmp_path / "serve.log").start()
+    try:
+        srv.wait_ready(120)
+        (triton_pid,) = srv.triton_pids()
+        srv.process.kill()
+        srv.process.wait(30)
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            try:
+                os.kill(triton_pid, 0)
+            except ProcessLookupError:
+                break
+            time.sleep(0.5)
+        else:
+            pytest.fail(f"tritonserver {triton_pid} outlived the killed dspark serve")
+    finally:
+        srv.stop()
+
+
 def test_backend_dir_and_fail_fast_with_log(tmp_path):
     from dspark.serving.triton_server import TritonServer, prepare_backend_dir
 

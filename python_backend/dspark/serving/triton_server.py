@@ -53,6 +53,19 @@ def has_gpu() -> bool:
     return Path("/dev/nvidiactl").exists()
 
 
+def _term_with_parent() -> None:
+    """In the child before exec (Linux): SIGTERM it when the thread that started it dies, so a
+    `dspark serve` killed outright (SIGKILL, a second signal during shutdown) does not leave an
+    orphaned tritonserver holding its ports and shared memory; SIGTERM lets it clean up. Start
+    the server from a thread that lives as long as the server (the main thread does)."""
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG = 1
+    except (OSError, AttributeError):  # not Linux / no glibc: no such guarantee
+        pass
+
+
 def death_reason(returncode: int | None) -> str:
     """Human wording of a Popen return code (negative = killed by that signal)."""
     if returncode is None:
@@ -228,6 +241,7 @@ class TritonServer:
                 stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL,
                 start_new_session=True,
+                preexec_fn=_term_with_parent,
             )
         finally:
             if out is not subprocess.PIPE:
