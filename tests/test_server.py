@@ -386,11 +386,9 @@ def test_stop_after_cancellations_is_quick_and_leaves_nothing(served):
     assert not any(p.exists() for p in shm)
 
 
-def test_serve_prints_its_binds_and_reports_a_dead_tritonserver(tmp_path):
-    """`dspark serve` binds 127.0.0.1 by default and says so, marks the CPU-harmless CUDA lines,
-    and exits non-zero naming the signal when tritonserver dies (here: SIGSEGV, as the 4 MiB
-    body did), leaving no shared memory behind. A one-model repository keeps it quick."""
-    model = tmp_path / "repo" / "echo"
+def echo_repository(repo: Path) -> Path:
+    """A one-model repository (an int echo on the Python backend): `dspark serve` starts fast."""
+    model = repo / "echo"
     (model / "1").mkdir(parents=True)
     (model / "config.pbtxt").write_text(
         'backend: "python"\nmax_batch_size: 0\n'
@@ -404,6 +402,14 @@ def test_serve_prints_its_binds_and_reports_a_dead_tritonserver(tmp_path):
         "        x = [pb_utils.get_input_tensor_by_name(r, 'x').as_numpy() for r in requests]\n"
         "        return [pb_utils.InferenceResponse([pb_utils.Tensor('y', v)]) for v in x]\n"
     )
+    return repo
+
+
+def test_serve_prints_its_binds_and_reports_a_dead_tritonserver(tmp_path):
+    """`dspark serve` binds 127.0.0.1 by default and says so, marks the CPU-harmless CUDA lines,
+    and exits non-zero naming the signal when tritonserver dies (here: SIGSEGV, as the 4 MiB
+    body did), leaving no shared memory behind. A one-model repository keeps it quick."""
+    echo_repository(tmp_path / "repo")
     srv = Serve("--model", "demo", repo=tmp_path / "repo", log=tmp_path / "serve.log").start()
     try:
         srv.wait_ready(120)
@@ -423,19 +429,7 @@ def test_serve_prints_its_binds_and_reports_a_dead_tritonserver(tmp_path):
 def test_tritonserver_does_not_outlive_a_killed_dspark_serve(tmp_path):
     """`dspark serve` killed outright (SIGKILL: no cleanup can run in it) takes its tritonserver
     with it (PR_SET_PDEATHSIG -> SIGTERM, a graceful exit): no orphan keeps the ports."""
-    model = tmp_path / "repo" / "echo"
-    (model / "1").mkdir(parents=True)
-    (model / "config.pbtxt").write_text(
-        'backend: "python"\nmax_batch_size: 0\n'
-        'input [ { name: "x" data_type: TYPE_INT32 dims: [ 1 ] } ]\n'
-        'output [ { name: "y" data_type: TYPE_INT32 dims: [ 1 ] } ]\n'
-    )
-    (model / "1" / "model.py").write_text(
-        "import triton_python_backend_utils as pb_utils\n"
-        "class TritonPythonModel:\n"
-        "    def execute(self, requests):\n"
-        "        return [pb_utils.InferenceResponse([]) for r in requests]\n"
-    )
+    echo_repository(tmp_path / "repo")
     srv = Serve("--model", "demo", repo=tmp_path / "repo", log=tmp_path / "serve.log").start()
     try:
         srv.wait_ready(120)
