@@ -21,6 +21,7 @@ import json
 import math
 import random
 import re
+import sys
 import time
 import urllib.request
 from collections.abc import Iterable, Iterator
@@ -351,3 +352,19 @@ def metric_names(text: str) -> set[str]:
     names = {m.group(1) for m in map(_SAMPLE.match, text.splitlines()) if m}
     names |= set(re.findall(r"^# TYPE (\S+) ", text, flags=re.MULTILINE))
     return names
+
+
+def locust_command(locustfile: Path, users: int, run_time_s: float, host: str, grpc_url: str, out: Path,
+                   args, extra: list[str]) -> list[str]:
+    """A headless Locust run of `locustfile` (`users` users, all spawned at once) against one
+    server, with the prompt / tokenizer settings of `args` and CSV + per-request records at
+    `out`; `extra` = further flags and the user classes."""
+    return [
+        str(Path(sys.executable).parent / "locust"), "-f", str(locustfile), "--headless",
+        "-u", str(users), "-r", str(users), "--run-time", f"{int(run_time_s)}s",
+        "--host", host, "--grpc-url", grpc_url,
+        "--tokenizer", args.tokenizer, "--prompts", args.prompts,
+        "--max-tokens", str(args.max_tokens), "--max-prompt-chars", str(args.max_prompt_chars),
+        "--csv", str(out), "--records-csv", f"{out}_records.csv", "--only-summary",
+        *extra,
+    ]

@@ -32,7 +32,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import RequestRecord, metric_sum, percentile, read_records, scrape  # noqa: E402
+from common import RequestRecord, locust_command, metric_sum, percentile, read_records, scrape  # noqa: E402
 
 from dspark import wiring  # noqa: E402
 from dspark.paths import MODEL_REPOSITORY, REPO_ROOT, RESULTS  # noqa: E402
@@ -80,38 +80,8 @@ def server_delta(before: dict[str, float], after: dict[str, float]) -> dict:
 def measure(args, server: TritonServer, users: int, work: Path) -> dict:
     """One concurrency level: Locust for warmup + duration, server counters over the window."""
     out = work / f"c{users}"
-    cmd = [
-        str(Path(sys.executable).parent / "locust"),
-        "-f",
-        str(HERE / "locustfile.py"),
-        "--headless",
-        "-u",
-        str(users),
-        "-r",
-        str(users),
-        "--run-time",
-        f"{int(args.warmup + args.duration)}s",
-        "--host",
-        f"http://{server.http_url}",
-        "--grpc-url",
-        server.grpc_url,
-        "--tokenizer",
-        args.tokenizer,
-        "--prompts",
-        args.prompts,
-        "--max-tokens",
-        str(args.max_tokens),
-        "--max-prompt-chars",
-        str(args.max_prompt_chars),
-        "--records-csv",
-        f"{out}_records.csv",
-        "--csv",
-        str(out),
-        "--only-summary",
-        "--seed",
-        str(args.seed),
-        args.user_class,
-    ]
+    cmd = locust_command(HERE / "locustfile.py", users, args.warmup + args.duration, f"http://{server.http_url}",
+                         server.grpc_url, out, args, ["--seed", str(args.seed), args.user_class])
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=REPO_ROOT)
     time.sleep(args.warmup)
     t0, before = time.time(), scrape(server.metrics_url)

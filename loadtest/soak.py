@@ -30,7 +30,7 @@ import urllib.request
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import metric_sum, read_records, scrape  # noqa: E402
+from common import locust_command, metric_sum, read_records, scrape  # noqa: E402
 
 from dspark.paths import MODEL_REPOSITORY, REPO_ROOT, RESULTS  # noqa: E402
 from dspark.serving.triton_server import free_port  # noqa: E402
@@ -188,45 +188,11 @@ def wait_idle(metrics_url: str, timeout: float = 120) -> dict[str, float]:
 def run_locust(
     args: argparse.Namespace, server: Server, out: Path, duration: float, users: int, classes: list[str]
 ) -> subprocess.CompletedProcess:
-    cmd = [
-        str(Path(sys.executable).parent / "locust"),
-        "-f",
-        str(HERE / "soak_users.py"),
-        "--headless",
-        "-u",
-        str(users),
-        "-r",
-        str(users),
-        "--run-time",
-        f"{int(duration)}s",
-        "--stop-timeout",
-        "30",
-        "--host",
-        f"http://127.0.0.1:{server.http}",
-        "--grpc-url",
-        f"127.0.0.1:{server.grpc}",
-        "--tokenizer",
-        args.tokenizer,
-        "--prompts",
-        args.prompts,
-        "--max-tokens",
-        str(args.max_tokens),
-        "--max-prompt-chars",
-        str(args.max_prompt_chars),
-        "--csv",
-        str(out),
-        "--records-csv",
-        f"{out}_records.csv",
-        "--summary-json",
-        f"{out}_summary.json",
-        "--only-summary",
-        *(
-            ["--openai-url", server.openai, "--openai-endpoints", openai_endpoints(args.tokenizer)]
-            if server.openai
-            else []
-        ),
-        *classes,
-    ]
+    openai = (["--openai-url", server.openai, "--openai-endpoints", openai_endpoints(args.tokenizer)]
+              if server.openai else [])
+    cmd = locust_command(HERE / "soak_users.py", users, duration, f"http://127.0.0.1:{server.http}",
+                         f"127.0.0.1:{server.grpc}", out, args,
+                         ["--stop-timeout", "30", "--summary-json", f"{out}_summary.json", *openai, *classes])
     return subprocess.run(cmd, capture_output=True, text=True, timeout=duration + 300, cwd=REPO_ROOT)
 
 
