@@ -9,7 +9,11 @@ checks that the server is back where it started:
 
 RSS is the resident memory of the server's whole process tree (tritonserver and its Python
 backend stubs), measured once warmed up and again once idle after the soak; the goal is
-rss_mb_after <= rss_mb_before * (1 + --rss-margin). Shared-memory regions: those the server's
+rss_mb_after <= rss_mb_before * (1 + --rss-margin). Beside it, memory_mb_before / _after split
+the same tree into PSS (shared pages counted once), private anonymous memory, the shared-memory
+pool and mapped files, per process, and memory_timeline samples them every --sample-every
+seconds during the soak, to tell a pool that fills up and stays from a leak that keeps growing.
+Shared-memory regions: those the server's
 processes map (/proc/PID/maps; other servers on the machine are not counted), while it runs,
 and how many of them are left in /dev/shm after it stops (shm_regions_after, must be 0).
 
@@ -25,6 +29,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import urllib.request
 from pathlib import Path
@@ -57,15 +62,54 @@ def process_tree(pid: int) -> list[int]:
 
 
 def rss_mb(pid: int) -> float:
-    total = 0
+    return memory_mb(pid)["rss"]
+
+
+def memory_mb(pid: int) -> dict:
+    """Memory of the server's process tree in MB. `rss` sums VmRSS, which counts a shared page
+    once per process that maps it (the Python backend's shm pool is mapped by tritonserver and
+    by every stub); `pss` shares such pages out (each counted once in total); `anon` is private
+    heap (where a leak grows), `shmem` the shared-memory pool, `file` mapped libraries and
+    weights. `by_process` is each process's PSS, keyed by its command name and pid."""
+    keys = {"VmRSS:": "rss", "RssAnon:": "anon", "RssFile:": "file", "RssShmem:": "shmem"}
+    total = dict.fromkeys(["rss", "pss", "anon", "file", "shmem"], 0.0)
+    by_process = {}
     for p in process_tree(pid):
         try:
             for line in Path(f"/proc/{p}/status").read_text().splitlines():
-                if line.startswith("VmRSS:"):
-                    total += int(line.split()[1])
+                key = keys.get(line.split(":", 1)[0] + ":")
+                if key:
+                    total[key] += int(line.split()[1]) / 1024
+            rollup = Path(f"/proc/{p}/smaps_rollup").read_text().splitlines()
+            pss = next((int(line.split()[1]) / 1024 for line in rollup if line.startswith("Pss:")), 0.0)
+            name = Path(f"/proc/{p}/comm").read_text().strip()
         except OSError:
             continue
-    return total / 1024
+        total["pss"] += pss
+        by_process[f"{name}:{p}"] = round(pss, 1)
+    return {k: round(v, 1) for k, v in total.items()} | {"by_process": by_process}
+
+
+class MemorySampler(threading.Thread):
+    """Samples memory_mb(pid) every `every` seconds while the soak runs (a plateau is a pool
+    filling up; a steady climb is a leak)."""
+
+    def __init__(self, pid: int, every: float):
+        super().__init__(daemon=True)
+        self.pid, self.every, self.t0 = pid, every, time.monotonic()
+        self.samples: list[dict] = []
+        self.stopped = threading.Event()
+
+    def run(self) -> None:
+        while not self.stopped.wait(self.every):
+            m = memory_mb(self.pid)
+            self.samples.append({"t_s": round(time.monotonic() - self.t0, 1),
+                                 **{k: v for k, v in m.items() if k != "by_process"}})
+
+    def stop(self) -> list[dict]:
+        self.stopped.set()
+        self.join(timeout=5)
+        return self.samples
 
 
 def shm_regions(pid: int) -> set[str]:
@@ -212,6 +256,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--sps", default="", help="SPS table of the dspark policy (default: the server's)")
     p.add_argument("--model-repository", type=Path, default=MODEL_REPOSITORY)
     p.add_argument("--rss-margin", type=float, default=0.15, help="allowed RSS growth over the baseline")
+    p.add_argument("--sample-every", type=float, default=30.0, help="seconds between memory samples")
     p.add_argument("--no-openai", action="store_true", help="leave the OpenAI frontend out")
     p.add_argument("--ready-timeout", type=float, default=600.0)
     p.add_argument("--out", type=Path, default=RESULTS / "soak.json")
@@ -239,7 +284,8 @@ def main(argv: list[str] | None = None) -> int:
             ["SoakGrpcUser", "SoakHttpUser"],
         )
         wait_idle(metrics_url)
-        rss_before = rss_mb(server.proc.pid)
+        mem_before = memory_mb(server.proc.pid)
+        rss_before = mem_before["rss"]
         ours |= shm_regions(server.proc.pid)
         shm_running_before = len(ours)
         print(
@@ -247,9 +293,13 @@ def main(argv: list[str] | None = None) -> int:
             f"({', '.join(classes)})",
             flush=True,
         )
+        sampler = MemorySampler(server.proc.pid, args.sample_every)
+        sampler.start()
         proc = run_locust(args, server, work / "soak", args.duration, args.users, classes)
+        timeline = sampler.stop()
         idle = wait_idle(metrics_url)
-        rss_after = rss_mb(server.proc.pid)
+        mem_after = memory_mb(server.proc.pid)
+        rss_after = mem_after["rss"]
         now = shm_regions(server.proc.pid)
         ours |= now
         shm_running_after = len(now)
@@ -272,6 +322,9 @@ def main(argv: list[str] | None = None) -> int:
         "rss_margin": args.rss_margin,
         "rss_within_margin": rss_after <= rss_before * (1 + args.rss_margin),
         "shm_regions_after": sum(Path("/dev/shm", name).exists() for name in ours),  # left after exit
+        "memory_mb_before": mem_before,
+        "memory_mb_after": mem_after,
+        "memory_timeline": timeline,
         "shm_regions_while_serving": {"before": shm_running_before, "after": shm_running_after},
         "by_kind": by_kind,
         "by_user": {u: sum(r.user == u for r in records) for u in sorted({r.user for r in records})},

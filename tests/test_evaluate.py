@@ -66,6 +66,24 @@ def test_eval_quick_end_to_end(tiny_ckpt, tmp_path):
     # a second run reuses the traces and reproduces the numbers
     assert main(argv + ["--reuse-traces"]) == 0
     assert json.loads(out.read_text())["tau"] == res["tau"]
+    # ablation mode: every drafter ÷ the baseline, and τ gain per extra training CPU-minute
+    for folder, cpu_s in ((markov, 600.0), (dflash, 1200.0)):
+        (folder / "train.json").write_text(json.dumps({"train_cpu_seconds": cpu_s}))
+    abl = out.parent / f"offline_eval{suffix}_ablations.json"
+    argv_abl = [a if a != str(out) else str(abl) for a in argv]
+    argv_abl += ["--reuse-traces", "--baseline", "dspark_markov"]
+    assert main(argv_abl) == 0
+    got = json.loads(abl.read_text())
+    assert got["tau"] == res["tau"]
+    assert set(got["ratios"]) == {"ngram_vs_dspark_markov", "dflash_vs_dspark_markov"}
+    cost = got["training_cost"]
+    assert set(cost) == {"dspark_markov", "dflash"}  # ngram has no training
+    assert cost["dflash"]["extra_cpu_min"] == 10.0
+    gain = res["tau"]["dflash"]["gamma5"]["T0"]["mean"] - res["tau"]["dspark_markov"]["gamma5"]["T0"]["mean"]
+    assert cost["dflash"]["tau_gain_per_extra_cpu_min"]["gamma5"]["T0"] == pytest.approx(gain / 10, abs=1e-4)
+    assert (out.parent / f"acceptance_by_position{suffix}_ablations.png").is_file()
+    with pytest.raises(SystemExit, match="--baseline"):
+        main(argv_abl[:-1] + ["eagle"])
 
 
 def hand_trace() -> BlockTrace:

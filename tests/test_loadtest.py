@@ -323,12 +323,19 @@ def test_soak_smoke_on_the_demo_model(tmp_path):
         "200",
         "--sps",
         "gpu_shaped",
+        "--sample-every",
+        "2",
         "--out",
         str(out),
     ]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=REPO_ROOT)
     result = json.loads(out.read_text())
     assert result["requests"] > 0 and sum(result["by_kind"].values()) == result["requests"]
+    for mem in (result["memory_mb_before"], result["memory_mb_after"]):
+        # tritonserver + its Python stubs; shared pages counted once in PSS, per process in RSS
+        assert len(mem["by_process"]) >= 2 and 0 < mem["pss"] <= mem["rss"]
+        assert mem["anon"] > 0 and mem["pss"] == pytest.approx(sum(mem["by_process"].values()), abs=1)
+    assert result["memory_timeline"] and result["memory_timeline"][0]["rss"] > 0
     assert result["unexpected_failures"] == 0, result["unexpected_examples"]
     assert result["slots_in_use_after"] == 0 and result["shm_regions_after"] == 0
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]

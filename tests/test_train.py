@@ -313,3 +313,18 @@ def test_tap_norm_scales_channels_the_same_in_training_and_serving(tiny_ckpt, tm
     x = torch.randn(4000, 6) * torch.tensor([1.0, 2, 3, 4, 5, 100])
     x[::500] *= 1000  # sink rows
     assert torch.allclose(train.tap_channel_scale(x), 1 / torch.tensor([1.0, 2, 3, 4, 5, 100]), rtol=0.08)
+
+
+def test_data_subset_is_a_seeded_sorted_share_of_the_pool():
+    """The data-size ablation trains on a fixed seeded share of the sequences: same seed, same
+    subset; the full fraction is the pool itself; out-of-range fractions are refused."""
+    pool = torch.arange(10, 30)
+    half = train.data_subset(pool, 0.5, seed=0)
+    assert half.numel() == 10 and torch.equal(half, half.sort().values)
+    assert set(half.tolist()) <= set(pool.tolist())
+    assert torch.equal(half, train.data_subset(pool, 0.5, seed=0))
+    assert not torch.equal(half, train.data_subset(pool, 0.5, seed=1))
+    assert train.data_subset(pool, 1.0, seed=0) is pool
+    for bad in (0.0, 1.5, -0.1):
+        with pytest.raises(SystemExit, match="--data-fraction"):
+            train.data_subset(pool, bad, seed=0)

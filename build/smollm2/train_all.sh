@@ -31,6 +31,25 @@ run $DSPARK train --model smollm2 --kind dspark --head markov --context own --co
   --name dspark-own $ARCH $BUDGET
 CAL="--model smollm2 --gamma 15 --n-prompts 32 --max-tokens 128 --max-prompt-tokens 448 --concurrency 24 --threads $THREADS"
 run $DSPARK calibrate --drafter dspark-markov,dspark-rnn,dflash,eagle,dspark-own $CAL
-run $DSPARK eval --model smollm2 --n-prompts 24 --max-tokens 128 --max-prompt-tokens 448 --gammas 7,15 \
-  --temperatures 0,1 --concurrency 24 --threads "$THREADS"
+EVAL="--n-prompts 16 --max-tokens 128 --max-prompt-tokens 448 --concurrency 24 --threads $THREADS --reuse-traces"
+run $DSPARK eval --model smollm2 --drafters ngram,dspark-markov,dflash,eagle,dspark-rnn,dspark-own \
+  --gammas 7,15 --temperatures 0,1 $EVAL
+# Ablations of the default drafter (not shipped; build/smollm2/work/ablations/): a two-layer
+# backbone, twice the steps (the shipped run continued on a 2000-step cosine: its first 1000 steps
+# are the shipped run's own batches), half the data (the data-size slope: doubling the data means
+# another ~70 min of target generation + taps on this CPU).
+ABL=build/smollm2/work/ablations
+run $DSPARK train --model smollm2 --kind dspark --head markov --name dspark-markov-2layer $ARCH --layers 2 \
+  $BUDGET --out $ABL/dspark-markov-2layer
+mkdir -p build/smollm2/work/train/dspark-markov-2xsteps
+[ -f build/smollm2/work/train/dspark-markov-2xsteps/ckpt.pt ] || \
+  cp build/smollm2/work/train/dspark-markov/ckpt.pt build/smollm2/work/train/dspark-markov-2xsteps/
+run $DSPARK train --model smollm2 --kind dspark --head markov --name dspark-markov-2xsteps $ARCH \
+  $BUDGET --steps $((2 * STEPS)) --out $ABL/dspark-markov-2xsteps
+run $DSPARK train --model smollm2 --kind dspark --head markov --name dspark-markov-halfdata $ARCH \
+  $BUDGET --data-fraction 0.5 --out $ABL/dspark-markov-halfdata
+mkdir -p $ABL/traces && cp -n build/smollm2/work/traces/dspark-markov.runs.jsonl $ABL/traces/ || true
+run $DSPARK eval --model smollm2 --drafters dspark-markov,$ABL/dspark-markov-2layer,$ABL/dspark-markov-2xsteps,$ABL/dspark-markov-halfdata \
+  --baseline dspark-markov --traces-dir $ABL/traces --gammas 7 --temperatures 0,1 $EVAL \
+  --out results/offline_eval_smollm2_ablations.json
 echo "== $(date -u +%T) done"

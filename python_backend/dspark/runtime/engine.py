@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 import torch
 
 from dspark.runtime.batch import RaggedBatch
+from dspark.runtime.deferred_extend import DeferredExtend
 from dspark.runtime.interfaces import DraftBlock, DrafterLike, TargetLike
 from dspark.runtime.sampling import (
     STREAM_DRAFT,
@@ -150,6 +151,7 @@ class SpecEngine:
         self._ids = itertools.count()
         self._next: _Drafts | None = None  # drafts proposed at the end of the last step
         self._draft_next: bool | None = None  # the policy's draft/skip choice for the next step
+        self._deferred = DeferredExtend()  # x0 rows of skipped steps, not yet in the drafter's context
         self._logged_failures: set[str] = set()  # drafter calls whose first failure was logged
 
     def reset_metrics(self) -> None:
@@ -247,7 +249,10 @@ class SpecEngine:
         t = time.perf_counter()  # the drafter keeps up (also at ℓ = 0), then drafts the next step
         nxt = None
         if self.policy is not None:
-            self._extend(reqs, batch, taps, res.num_accepted + 1)
+            self._draft_next = self._parts()[1].wants_draft(len(reqs))
+            # nothing verified now and no drafts next step: the x0 rows wait for the next draft
+            defer = not self._draft_next and not bool(ells.any())
+            self._extend(reqs, batch, taps, res.num_accepted + 1, defer)
             nxt = self._propose_next(reqs, res, keys, counters + 1, remaining - ells - 1)
         clock["draft"] += time.perf_counter() - t
 
@@ -377,6 +382,8 @@ class SpecEngine:
         """drafter.propose for `reqs`; a drafter exception counts a fallback and drafts nothing
         (those requests verify ℓ = 0 this step: still lossless)."""
         drafter, policy = self._parts()
+        if not self._flush_deferred(reqs):  # the context first (not timed as t_draft: catch-up)
+            return None
         t0 = time.perf_counter()
         try:
             block = drafter.propose([r.slot for r in reqs], anchors, [r.params for r in reqs],
@@ -391,8 +398,8 @@ class SpecEngine:
                       left: torch.Tensor) -> _Drafts | None:
         """Draft the next step now, before the host has seen this step's results: anchors are the
         last emitted tokens on the device. Skipped when the policy says the next step should be
-        plain (decided from step t−2 data), and for requests that finish for sure (left ≤ 0)."""
-        self._draft_next = self._parts()[1].wants_draft(len(reqs))
+        plain (decided from step t−2 data: `_draft_next`), and for requests that finish for sure
+        (left ≤ 0)."""
         live = [i for i, r in enumerate(reqs) if r.drafting and int(left[i]) > 0]
         if not self._draft_next or not live:
             return None
@@ -414,8 +421,10 @@ class SpecEngine:
         return None if q is None else q.to(self.device)
 
     def _extend(self, reqs: list[Request], batch: RaggedBatch, taps: torch.Tensor,
-                keep: torch.Tensor) -> None:
-        """drafter.extend with [x0, accepted drafts] of every drafting request (architecture §5)."""
+                keep: torch.Tensor, defer: bool = False) -> None:
+        """drafter.extend with [x0, accepted drafts] of every drafting request (architecture §5).
+        `defer` (a step with ℓ = 0 everywhere, followed by a plain step): the x0 rows are kept in
+        `_deferred` and reach the drafter with its next call for those requests."""
         live = [i for i, r in enumerate(reqs) if r.drafting]
         if not live:
             return
@@ -432,12 +441,36 @@ class SpecEngine:
             tokens, taps, keep = tokens[rows], taps[rows], keep[idx.to(keep.device)]
             cu = torch.zeros(len(live) + 1, dtype=torch.int64)
             cu[1:] = lens.cumsum(0)
+        live_reqs = [reqs[i] for i in live]
+        if defer:
+            self._deferred.add([r.request_id for r in live_reqs], tokens, taps)
+            if self._deferred.full:
+                self._flush_deferred(live_reqs)
+            return
+        if not self._flush_deferred(live_reqs):
+            return
         try:
-            self._parts()[0].extend([reqs[i].slot for i in live], tokens, taps, cu, keep)
+            self._parts()[0].extend([r.slot for r in live_reqs], tokens, taps, cu, keep)
         except Exception:  # those requests stop drafting (plain from now: still lossless)
             self._fallback("extend")
-            for i in live:
-                reqs[i].drafting = False
+            for r in live_reqs:
+                r.drafting = False
+
+    def _flush_deferred(self, reqs: list[Request]) -> bool:
+        """Hand the deferred x0 rows of `reqs` to the drafter (one extend). False: it failed, and
+        those requests stop drafting."""
+        rows = self._deferred.take([r.request_id for r in reqs])
+        if rows is None:
+            return True
+        try:
+            self._parts()[0].extend([reqs[i].slot for i in rows.which], rows.tokens, rows.taps,
+                                    rows.cu_seqlens, rows.keep)
+        except Exception:
+            self._fallback("extend")
+            for r in reqs:
+                r.drafting = False
+            return False
+        return True
 
     def _fallback(self, call: str) -> None:
         """A drafter call failed: count it, and log the first failure of each call with its
@@ -527,6 +560,7 @@ class SpecEngine:
     def _release(self, r: Request) -> None:
         del self._active[r.request_id]
         self.target.release(r.slot)
+        self._deferred.drop(r.request_id)
         if self.policy is not None:
             try:
                 self._parts()[0].release(r.slot)

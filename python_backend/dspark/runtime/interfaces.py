@@ -75,7 +75,9 @@ class DrafterLike(Protocol):
         keep: torch.Tensor,  # [R] i64 (device or host), 1 <= keep[r] <= cu[r+1] - cu[r]
     ) -> None:
         """Slot r's context grows by its first keep[r] rows (the anchor and the accepted drafts).
-        Called every step for every drafting request, also when ℓ_r = 0 or drafting was skipped."""
+        Every emitted token reaches it, also when ℓ_r = 0 or drafting was skipped; the rows of
+        skipped steps may arrive later, several per slot in one call (all kept), but always
+        before the slot's next propose."""
         ...
 
     def propose(

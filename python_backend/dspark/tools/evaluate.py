@@ -46,8 +46,8 @@ def temp_key(t: float) -> str:
 
 def pick(results: dict, tag: str) -> str | None:
     """The drafter named `tag`, else the first whose name contains it ("_" reads as "-")."""
-    norm = {n: n.replace("_", "-") for n in results}
-    exact = next((n for n in results if norm[n] == tag), None)
+    norm, tag = {n: n.replace("_", "-") for n in results}, tag.replace("_", "-")
+    exact = next((n for n in results if n == tag or norm[n] == tag), None)
     return exact or next((n for n in results if tag in norm[n]), None)
 
 
@@ -269,9 +269,11 @@ def where_missed(requests: list[dict], tokenizer) -> dict:
 
 
 def summarise(results: dict[str, dict], gammas: list[int], temperatures: list[float],
-              domains: list[str], tokenizer=None) -> dict:
+              domains: list[str], tokenizer=None,
+              pairs: dict[str, tuple[str, str]] | None = None) -> dict:
     """The offline_eval.json payload from per-drafter runs; STS temperatures are read from
-    each drafter folder now (τ at fixed γ does not depend on them, ECE and sweeps do)."""
+    each drafter folder now (τ at fixed γ does not depend on them, ECE and sweeps do).
+    `pairs` names the τ ratios to report (default RATIO_PAIRS)."""
     summary: dict = {"tau": {}, "ece": {}, "acceptance_by_position": {}, "threshold_sweep": {},
                      "fixed_sweep": {}, "ratios": {}, "ratios_detail": {}, "runs": {}, "where_missed": {}}
     g_cal, t_cal = max(gammas), (1.0 if 1.0 in temperatures else temperatures[0])
@@ -324,7 +326,7 @@ def summarise(results: dict[str, dict], gammas: list[int], temperatures: list[fl
             trace = cal.BlockTrace.from_rows(sweep_blocks)
             summary["threshold_sweep"][name] = threshold_sweep(trace, cal.pad_temperatures(sts, trace.gamma))
             summary["fixed_sweep"][name] = fixed_sweep(trace)
-    for key, (num_tag, den_tag) in RATIO_PAIRS.items():
+    for key, (num_tag, den_tag) in (RATIO_PAIRS if pairs is None else pairs).items():
         num, den = pick(results, num_tag), pick(results, den_tag)
         if num is None or den is None or num == den:
             continue
@@ -343,6 +345,38 @@ def summarise(results: dict[str, dict], gammas: list[int], temperatures: list[fl
                 if temp == t_cal:
                     summary["ratios"][key][gk] = detail["mean"]
     return summary
+
+
+def training_cost(results: dict[str, dict], baseline: str, summary: dict) -> dict:
+    """Per drafter: training CPU-minutes (its folder's train.json), the extra minutes over the
+    baseline, and the τ gain (macro mean, every γ and T) per extra CPU-minute: where a bigger
+    training budget pays most. A drafter without train.json (ngram) is left out."""
+    def cpu_min(name: str) -> float | None:
+        folder = results[name].get("folder")
+        f = Path(folder) / "train.json" if folder else None
+        if f is None or not f.is_file():
+            return None
+        info = json.loads(f.read_text())
+        return round(info["train_cpu_seconds"] / 60, 2) if info.get("train_cpu_seconds") else None
+
+    base_min, out = cpu_min(baseline), {}
+    for name in results:
+        minutes = cpu_min(name)
+        if minutes is None:
+            continue
+        row: dict = {"train_cpu_min": minutes}
+        if base_min is not None and name != baseline:
+            extra = round(minutes - base_min, 2)
+            row["extra_cpu_min"] = extra
+            for gk, by_t in summary["tau"][name].items():
+                for tk, tau_row in by_t.items():
+                    gain = tau_row["mean"] - summary["tau"][baseline][gk][tk]["mean"]
+                    row.setdefault("tau_gain", {}).setdefault(gk, {})[tk] = round(gain, 4)
+                    if extra > 1:  # per-minute only where it cost noticeably more to train
+                        row.setdefault("tau_gain_per_extra_cpu_min", {}).setdefault(gk, {})[tk] = \
+                            round(gain / extra, 5)
+        out[name] = row
+    return out
 
 
 def write_runs(path: Path, drafter: str, result: dict) -> None:
@@ -486,6 +520,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "ℓ, generator and acceptance, so this changes CPU efficiency, not the statistics")
     p.add_argument("--out", default=None, help="default: results/offline_eval<suffix>.json")
     p.add_argument("--traces-dir", default=None, help="default: the model's work folder /traces")
+    p.add_argument("--baseline", default=None,
+                   help="ablations: report every drafter's τ ÷ this one's (paired bootstrap) and its "
+                        "τ gain per extra training CPU-minute (from each folder's train.json)")
     p.add_argument("--reuse-traces", action="store_true",
                    help="take a drafter's runs from its trace file when it holds exactly this config")
 
@@ -526,7 +563,14 @@ def main(args: argparse.Namespace) -> int:
                                             on_run=lambda res, p=runs_path, k=key: write_runs(p, k, res),
                                             target_id=target_id, spec=spec)
             write_runs(runs_path, key, results[key])
-    summary = summarise(results, gammas, temperatures, list(prompts), target.tokenizer)
+    pairs = None
+    if args.baseline:
+        if args.baseline not in results:
+            raise SystemExit(f"--baseline {args.baseline!r} is not among --drafters ({', '.join(results)})")
+        pairs = {f"{n}_vs_{args.baseline}": (n, args.baseline) for n in results if n != args.baseline}
+    summary = summarise(results, gammas, temperatures, list(prompts), target.tokenizer, pairs)
+    if args.baseline:
+        summary["training_cost"] = training_cost(results, args.baseline, summary)
     summary["config"] = {"model": spec.model, "dtype": str(target.dtype).removeprefix("torch."),
                          "drafters": list(results), "gammas": gammas,
                          "temperatures": temperatures, "n_prompts_per_domain": args.n_prompts,
@@ -540,9 +584,13 @@ def main(args: argparse.Namespace) -> int:
     out_path.write_text(json.dumps(_nan_to_none(summary), indent=1) + "\n")
     for key, res in results.items():
         write_sim_traces(traces_dir, key, res, list(prompts), spec.model)
-    plot_acceptance(summary, out_path.parent / f"acceptance_by_position{suffix}.png", max(gammas),
+    # plots follow the JSON's name: offline_eval_smollm2_ablations.json -> *_smollm2_ablations.png
+    stem, base = out_path.stem, f"offline_eval{suffix}"
+    plot_suffix = suffix + (stem.removeprefix(base) if stem.startswith(base)
+                            else "" if stem == "offline_eval" else f"_{stem}")
+    plot_acceptance(summary, out_path.parent / f"acceptance_by_position{plot_suffix}.png", max(gammas),
                     temperatures)
-    plot_threshold_sweep(summary, out_path.parent / f"threshold_sweep{suffix}.png")
+    plot_threshold_sweep(summary, out_path.parent / f"threshold_sweep{plot_suffix}.png")
     print_table(summary, gammas, temperatures)
     print(f"wrote {out_path}, plots, and traces in {traces_dir} ({summary['config']['wall_s']} s)")
     return 0

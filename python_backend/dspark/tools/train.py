@@ -101,6 +101,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="autocast dtype of the forward (bf16: AMX matmuls on the CPU; master weights fp32)")
     t.add_argument("--exclude-modes", default="",
                    help="comma list of data modes to leave out (recipe, t1, greedy): data ablations")
+    t.add_argument("--data-fraction", type=float, default=1.0,
+                   help="train on this seeded random share of the sequences (data-size ablations)")
     t.add_argument("--out", type=Path, default=None, help="drafter folder (build/demo/drafters/NAME)")
     t.add_argument("--work", type=Path, default=None, help="checkpoints (build/demo/work/train/NAME)")
     t.add_argument("--ckpt-every", type=int, default=50)
@@ -304,6 +306,16 @@ def sample_step(step: int, seed: int, lengths: torch.Tensor, loss_mask: torch.Te
     return ids, anchors
 
 
+def data_subset(pool: torch.Tensor, fraction: float, seed: int) -> torch.Tensor:
+    """A seeded random `fraction` of the sequence ids in `pool` (all of them at 1.0), sorted."""
+    if not 0 < fraction <= 1:
+        raise SystemExit(f"--data-fraction must be in (0, 1], got {fraction}")
+    if fraction == 1:
+        return pool
+    keep = torch.randperm(pool.numel(), generator=torch.Generator().manual_seed(seed))
+    return pool[keep[: max(1, round(pool.numel() * fraction))].sort().values]
+
+
 def batch_weight(kind: str, ids, anchors, loss_mask, block: int, decay_lambda: float) -> float:
     """Σ w over the global batch's supervised rows (the loss normaliser, identical on all ranks)."""
     m = loss_mask[ids]
@@ -364,6 +376,7 @@ def main(args: argparse.Namespace) -> int:
     lengths = data["lengths"]
     excluded = [MODES.index(m) for m in args.exclude_modes.split(",") if m]
     pool = torch.tensor([i for i, m in enumerate(data["mode"].tolist()) if m not in excluded])
+    pool = data_subset(pool, args.data_fraction, args.seed)
     own = args.kind == "dspark" and args.context == "own"
     args.data_dirs, args.data_sequences = data_dirs, int(pool.numel())
     args.data_tokens = int(data["loss_mask"][pool].sum())
@@ -534,6 +547,7 @@ def _summary(args, name, model, history, lam, seconds, world, tap_layers) -> dic
                                                                           args.alpha_conf],
             "lr": args.lr, "seed": args.seed, "world_size": world, "target": _rel(args.model),
             "data": [_rel(p) for p in args.data_dirs], "exclude_modes": args.exclude_modes or None,
+            "data_fraction": args.data_fraction,
             "data_sequences": args.data_sequences, "data_generated_tokens": args.data_tokens,
             "precision": args.precision, "threads": args.threads, "tap_layers": list(tap_layers),
             "trainable_params": sum(p.numel() for p in model.parameters()),
