@@ -70,7 +70,7 @@ def memory_mb(pid: int) -> dict:
     once per process that maps it (the Python backend's shm pool is mapped by tritonserver and
     by every stub); `pss` shares such pages out (each counted once in total); `anon` is private
     heap (where a leak grows), `shmem` the shared-memory pool, `file` mapped libraries and
-    weights. `by_process` is each process's PSS, keyed by its command name and pid."""
+    weights. `by_process` is each process's PSS, keyed by its Triton model (or command) and pid."""
     keys = {"VmRSS:": "rss", "RssAnon:": "anon", "RssFile:": "file", "RssShmem:": "shmem"}
     total = dict.fromkeys(["rss", "pss", "anon", "file", "shmem"], 0.0)
     by_process = {}
@@ -82,12 +82,21 @@ def memory_mb(pid: int) -> dict:
                     total[key] += int(line.split()[1]) / 1024
             rollup = Path(f"/proc/{p}/smaps_rollup").read_text().splitlines()
             pss = next((int(line.split()[1]) / 1024 for line in rollup if line.startswith("Pss:")), 0.0)
-            name = Path(f"/proc/{p}/comm").read_text().strip()
+            name = process_name(p)
         except OSError:
             continue
         total["pss"] += pss
         by_process[f"{name}:{p}"] = round(pss, 1)
     return {k: round(v, 1) for k, v in total.items()} | {"by_process": by_process}
+
+
+def process_name(pid: int) -> str:
+    """The Triton model a Python-backend stub serves (its cmdline names .../<model>/1/model.py),
+    else the process's command name."""
+    args = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+    model = next((Path(a.decode(errors="replace")).parent.parent.name for a in args
+                  if a.endswith(b"/1/model.py")), None)
+    return model or Path(f"/proc/{pid}/comm").read_text().strip()
 
 
 class MemorySampler(threading.Thread):
