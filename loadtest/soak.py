@@ -61,10 +61,6 @@ def process_tree(pid: int) -> list[int]:
     return out
 
 
-def rss_mb(pid: int) -> float:
-    return memory_mb(pid)["rss"]
-
-
 def memory_mb(pid: int) -> dict:
     """Memory of the server's process tree in MB. `rss` sums VmRSS, which counts a shared page
     once per process that maps it (the Python backend's shm pool is mapped by tritonserver and

@@ -542,6 +542,9 @@ def main(args: argparse.Namespace) -> int:
     spec = cal.model_spec(args, args.concurrency, max_seq_len)
     suffix = cal.results_suffix(spec)
     names = args.drafters.split(",") if args.drafters else cal.model_drafters(spec) + ["ngram"]
+    keys = [Path(n).name for n in names]
+    if args.baseline and args.baseline not in keys:  # before the (long) runs, not after them
+        raise SystemExit(f"--baseline {args.baseline!r} is not among --drafters ({', '.join(keys)})")
     out_path = Path(args.out) if args.out else RESULTS / f"offline_eval{suffix}.json"
     traces_dir = Path(args.traces_dir) if args.traces_dir else cal.work_dir(spec) / "traces"
     target = wiring.load_target(spec)
@@ -563,11 +566,8 @@ def main(args: argparse.Namespace) -> int:
                                             on_run=lambda res, p=runs_path, k=key: write_runs(p, k, res),
                                             target_id=target_id, spec=spec)
             write_runs(runs_path, key, results[key])
-    pairs = None
-    if args.baseline:
-        if args.baseline not in results:
-            raise SystemExit(f"--baseline {args.baseline!r} is not among --drafters ({', '.join(results)})")
-        pairs = {f"{n}_vs_{args.baseline}": (n, args.baseline) for n in results if n != args.baseline}
+    pairs = None if not args.baseline else \
+        {f"{n}_vs_{args.baseline}": (n, args.baseline) for n in results if n != args.baseline}
     summary = summarise(results, gammas, temperatures, list(prompts), target.tokenizer, pairs)
     if args.baseline:
         summary["training_cost"] = training_cost(results, args.baseline, summary)
