@@ -408,6 +408,27 @@ def test_skipped_steps_reach_the_drafter_in_one_call(target, prompts, reference,
             assert any(full[:len(seq)] == seq for full in by_slot_history[slot])
 
 
+class SlowExtend(Recording):
+    """n-gram drafter whose extend takes 40 ms: a cost propose alone does not show."""
+
+    def extend(self, *args):
+        time.sleep(0.04)
+        super().extend(*args)
+
+
+def test_cost_rule_sees_the_whole_step(target, prompts, reference):
+    """The engine reports whole steps to the policy: a drafter whose extend dwarfs the verify step
+    (40 ms against the table's 6 ms) shows up as drafted-step overhead, and dspark then decodes
+    plain except for its probes. Output stays token-identical."""
+    engine = SpecEngine(target, SlowExtend(4), "dspark", sps=SPS)
+    assert engine.generate(prompts, MAX_TOKENS) == reference
+    check_clean(engine, target)
+    overheads = engine.policy.draft_cost.overheads()
+    assert overheads["drafted"] and overheads["plain"]
+    assert min(overheads["drafted"].values()) > max(overheads["plain"].values()) + 0.02
+    assert 0 < engine.metrics.draft_steps <= engine.metrics.steps // 3
+
+
 def test_deferred_extend_buffer():
     """DeferredExtend: rows come back flat by request, in step order, and only once; a dropped
     request's rows are gone; the buffer counts steps towards `full`."""

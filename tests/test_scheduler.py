@@ -255,6 +255,38 @@ def test_cost_rule_skips_drafting_only_when_it_is_slower_than_plain():
     assert make_policy("fixed:3", sps=flat, gamma=gamma, draft_cost=DraftCost({r: 1.0})).wants_draft(r)
 
 
+def test_cost_rule_counts_whole_step_overheads():
+    """The rule compares whole steps: what a drafted step costs beyond propose and 1/SPS(B) (the
+    drafter's extend, acceptance, Triton hops: `observe_step`) and what a plain step costs beyond
+    1/SPS(R). On a flat 10 ms verify with a 1 ms drafter, moderately confident survivals pay
+    when the overheads are equal, not when a drafted step carries 10 ms more; learned from
+    reported steps, with frozen costs ignoring them."""
+    flat = SPSTable([1, 1024], [100.0, 99.0])
+    r, gamma = 1, 7
+    rem = torch.full((r,), 1000)
+    mid = torch.full((r, gamma), 0.5).cumprod(1)  # ≈ 1 expected accepted token per step
+
+    def wants(drafted_s: float, plain_s: float, learn: bool = True) -> bool:
+        policy = make_policy("dspark", sps=flat, gamma=gamma, draft_cost=DraftCost({r: 0.001}, learn=learn))
+        policy.decide(mid, rem)
+        policy.decide(mid, rem)
+        for _ in range(50):  # steps of 10 ms target + overhead (+ 1 ms propose when drafted)
+            policy.observe_step(r, 1 + gamma, True, 0.001 + 1 / flat(1 + gamma) + drafted_s, 0.001)
+            policy.observe_step(r, r, False, 1 / flat(r) + plain_s, 0.0)
+        return policy.wants_draft(r)
+
+    assert wants(0.0, 0.0) and wants(0.002, 0.002)
+    assert not wants(0.010, 0.0)  # the drafted step's extra hops eat the gain: decode plain
+    assert wants(0.010, 0.008)  # ... unless plain steps carry them too
+    assert wants(0.010, 0.0, learn=False)  # frozen costs: timing never changes the schedule
+    cost = DraftCost()
+    assert cost.overhead(3, True) == 0.0
+    cost.observe_overhead(2, True, 0.004)
+    cost.observe_overhead(4, True, 0.008)
+    assert cost.overhead(3, True) == pytest.approx(0.006) and cost.overhead(3, False) == 0.0
+    assert cost.overheads() == {"drafted": {2: 0.004, 4: 0.008}, "plain": {}}
+
+
 def test_budget_with_drafting_counted_is_the_brute_force_argmax():
     """K_t maximises (R + S(K)) / (t_draft(R) + 1/SPS(R + K)) on the t−2 snapshot."""
     gen = torch.Generator().manual_seed(12)

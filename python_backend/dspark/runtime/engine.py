@@ -153,6 +153,7 @@ class SpecEngine:
         self._draft_next: bool | None = None  # the policy's draft/skip choice for the next step
         self._deferred = DeferredExtend()  # x0 rows of skipped steps, not yet in the drafter's context
         self._logged_failures: set[str] = set()  # drafter calls whose first failure was logged
+        self._step_drafter_calls, self._step_drafter_s = 0, 0.0  # this step's drafter calls, propose time
 
     def reset_metrics(self) -> None:
         g = self.gamma
@@ -216,6 +217,7 @@ class SpecEngine:
 
     def _decode(self, reqs: list[Request], clock: dict[str, float]) -> None:
         R, g, dev, t = len(reqs), self.gamma, self.device, time.perf_counter()
+        t_step, self._step_drafter_s, self._step_drafter_calls = t, 0.0, 0
         sampling = SamplingBatch.from_params([r.params for r in reqs], dev)
         keys = torch.tensor([r.rng_key for r in reqs], dtype=torch.int64).to(dev)
         counters = torch.tensor([r.verify_steps for r in reqs], dtype=torch.int64).to(dev)
@@ -278,6 +280,9 @@ class SpecEngine:
         m.last_budget = sum(ell)
         m.verify_budget += sum(ell)
         clock["accept"] += time.perf_counter() - t
+        if self.policy is not None:  # the whole step, for the cost rule's step overheads
+            self.policy.observe_step(R, batch.num_tokens, self._step_drafter_calls > 0,
+                                     time.perf_counter() - t_step, self._step_drafter_s)
 
     def _flat_batch(self, reqs: list[Request], anchors: torch.Tensor, drafts: torch.Tensor | None,
                     ells: torch.Tensor) -> RaggedBatch:
@@ -385,13 +390,16 @@ class SpecEngine:
         if not self._flush_deferred(reqs):  # the context first (not timed as t_draft: catch-up)
             return None
         t0 = time.perf_counter()
+        self._step_drafter_calls += 1
         try:
             block = drafter.propose([r.slot for r in reqs], anchors, [r.params for r in reqs],
                                          philox_uniforms(keys, counters, self.gamma, STREAM_DRAFT))
         except Exception:
             self._fallback("propose")
             return None
-        policy.observe_draft(len(reqs), time.perf_counter() - t0)  # the cost rule's t_draft(R)
+        seconds = time.perf_counter() - t0
+        self._step_drafter_s += seconds
+        policy.observe_draft(len(reqs), seconds)  # the cost rule's t_draft(R)
         return block
 
     def _propose_next(self, reqs: list[Request], res, keys: torch.Tensor, counters: torch.Tensor,
@@ -449,6 +457,7 @@ class SpecEngine:
             return
         if not self._flush_deferred(live_reqs):
             return
+        self._step_drafter_calls += 1
         try:
             self._parts()[0].extend([r.slot for r in live_reqs], tokens, taps, cu, keep)
         except Exception:  # those requests stop drafting (plain from now: still lossless)
@@ -462,6 +471,7 @@ class SpecEngine:
         rows = self._deferred.take([r.request_id for r in reqs])
         if rows is None:
             return True
+        self._step_drafter_calls += 1
         try:
             self._parts()[0].extend([reqs[i].slot for i in rows.which], rows.tokens, rows.taps,
                                     rows.cu_seqlens, rows.keep)

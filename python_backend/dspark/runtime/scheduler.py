@@ -21,6 +21,8 @@ import torch
 from dspark.runtime import ranking
 from dspark.runtime.sps import DraftCost, SPSTable
 
+MIN_STEP_S = 1e-6  # floor of a modelled step time (a negative measured overhead cannot make it ≤ 0)
+
 
 def sts_survival(conf_logits: torch.Tensor, temperatures: torch.Tensor) -> torch.Tensor:
     """Sequential Temperature Scaling (docs/architecture.md §8): ĉ = σ(z / T_k), survival = cumprod over k."""
@@ -116,13 +118,24 @@ class Policy:
         """The engine reports what drafting a step for R requests took."""
         self.draft_cost.observe(num_requests, seconds)
 
+    def observe_step(self, num_requests: int, batch_tokens: int, drafted: bool, seconds: float,
+                     propose_seconds: float) -> None:
+        """The engine reports a whole decode step: R requests, B verified tokens, whether it called
+        the drafter, its wall time and the part of it spent in propose. What the SPS table and
+        propose do not explain is the step's overhead (`DraftCost.overhead`)."""
+        if self._sps_by_b is None or not self.counts_drafting or not 0 < batch_tokens <= self.max_batch_tokens:
+            return
+        self.draft_cost.observe_overhead(num_requests, drafted,
+                                         seconds - propose_seconds - 1.0 / self._sps_by_b[batch_tokens])
+
     def step_rate(self, num_requests: int) -> np.ndarray | None:
-        """Steps/second by token batch B for a drafted step of R requests: 1 / (t_draft(R) + 1/SPS(B))
-        when this policy counts drafting and a cost is known, else the SPS itself."""
+        """Steps/second by token batch B for a drafted step of R requests: 1 / (t_draft(R) +
+        overhead(R) + 1/SPS(B)) when this policy counts drafting and a cost is known, else the SPS."""
         t_draft = self.draft_cost(num_requests) if self.counts_drafting else None
         if self._sps_by_b is None or not t_draft:
             return self._sps_by_b
-        return 1.0 / (t_draft + 1.0 / self._sps_by_b)
+        return 1.0 / np.maximum(t_draft + self.draft_cost.overhead(num_requests, True) + 1.0 / self._sps_by_b,
+                                MIN_STEP_S)
 
     def wants_draft(self, num_requests: int) -> bool:
         """Draft the coming step at all? Decided before drafting, from past steps only."""
@@ -254,7 +267,8 @@ class DSpark(Policy):
         """The drafting-cost rule (architecture §7): skip drafting the coming step when, on the
         survivals of past steps (the average sorted curve of the snapshots up to step t−2 before
         the step drafted now), the best speculative rate max_K (R + Σ top-K a) / (t_draft(R) +
-        1/SPS(R + K)) does not beat plain decoding's R · SPS(R). The average, not one snapshot:
+        o_d(R) + 1/SPS(R + K)) does not beat plain decoding's R / (1/SPS(R) + o_p(R)), with o_d
+        and o_p the measured overheads of whole drafted and plain steps (`DraftCost.overhead`). The average, not one snapshot:
         at low concurrency a single step's survivals are a noisy guess. Reads only past steps
         (snapshots and measured drafting times), so it stays lossless. While skipping, a probe
         step drafts anyway so the average keeps learning: after `probe_every` skipped steps,
@@ -272,11 +286,15 @@ class DSpark(Policy):
         if room < 1:
             return True
         n = num_requests * self.gamma
-        ranked = self._profile[np.arange(n) * self.PROFILE_POINTS // n]  # the curve at R·γ points
+        # the curve at the centres of R·γ equal quantiles (their left edges read one value early)
+        ranked = self._profile[(2 * np.arange(n) + 1) * self.PROFILE_POINTS // (2 * n)]
         gains = np.cumsum(ranked[:room], dtype=np.float64)
-        rate = 1.0 / (t_draft + 1.0 / self._sps_by_b[num_requests + 1:num_requests + room + 1])
+        cost = self.draft_cost
+        rate = 1.0 / np.maximum(t_draft + cost.overhead(num_requests, True)
+                                + 1.0 / self._sps_by_b[num_requests + 1:num_requests + room + 1], MIN_STEP_S)
         speculative = float(np.max((num_requests + gains) * rate))
-        plain = num_requests * float(self._sps_by_b[num_requests])
+        plain = num_requests / max(1.0 / float(self._sps_by_b[num_requests]) + cost.overhead(num_requests, False),
+                                   MIN_STEP_S)
         if speculative > plain:
             self.skipped, self.probe_interval = 0, self.probe_every
             return True

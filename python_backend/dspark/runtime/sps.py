@@ -94,37 +94,68 @@ class SPSTable:
                    d.get("model", "unknown"))
 
 
-class DraftCost:
-    """Seconds one drafting step costs at R requests (architecture §7, drafting cost): learned
-    online by the engine (exponential moving average per R) or given up front. Unmeasured R
+class _ByRequests:
+    """Seconds by request count R: an exponential moving average per measured R; unmeasured R
     interpolate linearly between the nearest measured ones (constant beyond them)."""
 
-    def __init__(self, seconds: dict[int, float] | None = None, alpha: float = 0.2,
-                 learn: bool = True) -> None:
-        """learn=False: keep the given costs (a schedule that does not depend on timing, e.g. for
-        bit-reproducible sampled runs: the engine's measurements are then ignored)."""
-        self.alpha, self.learn = alpha, learn
-        self._by_r: dict[int, float] = {int(r): float(s) for r, s in (seconds or {}).items()}
+    def __init__(self, seconds: dict[int, float] | None, alpha: float) -> None:
+        self.alpha = alpha
+        self.by_r: dict[int, float] = {int(r): float(s) for r, s in (seconds or {}).items()}
 
     def observe(self, num_requests: int, seconds: float) -> None:
-        if not self.learn:
-            return
-        old = self._by_r.get(num_requests)
-        self._by_r[num_requests] = seconds if old is None else old + self.alpha * (seconds - old)
+        old = self.by_r.get(num_requests)
+        self.by_r[num_requests] = seconds if old is None else old + self.alpha * (seconds - old)
 
     def __call__(self, num_requests: int) -> float | None:
-        """Seconds at R, or None before any measurement."""
-        if not self._by_r:
+        if not self.by_r:
             return None
-        if num_requests in self._by_r:
-            return self._by_r[num_requests]
-        rs = sorted(self._by_r)
+        if num_requests in self.by_r:
+            return self.by_r[num_requests]
+        rs = sorted(self.by_r)
         lo = max((r for r in rs if r < num_requests), default=None)
         hi = min((r for r in rs if r > num_requests), default=None)
         if lo is None or hi is None:
-            return self._by_r[rs[0] if lo is None else rs[-1]]  # beyond the measured range: nearest
+            return self.by_r[rs[0] if lo is None else rs[-1]]  # beyond the measured range: nearest
         w = (num_requests - lo) / (hi - lo)
-        return (1 - w) * self._by_r[lo] + w * self._by_r[hi]
+        return (1 - w) * self.by_r[lo] + w * self.by_r[hi]
+
+
+class DraftCost:
+    """What a step costs beyond the target forward the SPS table prices (architecture §7, drafting
+    cost), by request count R, learned online by the engine or given up front:
+    - `t_draft(R)` (calling the object): seconds of drafter.propose;
+    - `overhead(R, drafted)`: the rest of a whole step's wall time, measured minus propose minus
+      1/SPS(B): acceptance, the drafter's extend, host work and, behind Triton, the hops to the
+      `target` and `drafter` models. Kept apart for steps that call the drafter and for plain
+      steps, so the rule compares whole drafted steps with whole plain steps."""
+
+    def __init__(self, seconds: dict[int, float] | None = None, alpha: float = 0.2,
+                 learn: bool = True, overhead_alpha: float = 0.1) -> None:
+        """learn=False: keep the given costs (a schedule that does not depend on timing, e.g. for
+        bit-reproducible sampled runs: the engine's measurements are then ignored)."""
+        self.learn = learn
+        self._draft = _ByRequests(seconds, alpha)
+        self._overhead = {True: _ByRequests(None, overhead_alpha), False: _ByRequests(None, overhead_alpha)}
+
+    def observe(self, num_requests: int, seconds: float) -> None:
+        if self.learn:
+            self._draft.observe(num_requests, seconds)
+
+    def __call__(self, num_requests: int) -> float | None:
+        """Seconds of propose at R, or None before any measurement."""
+        return self._draft(num_requests)
+
+    def observe_overhead(self, num_requests: int, drafted: bool, seconds: float) -> None:
+        if self.learn:
+            self._overhead[drafted].observe(num_requests, seconds)
+
+    def overhead(self, num_requests: int, drafted: bool) -> float:
+        """Seconds a step of R requests takes beyond propose and the SPS table (0 until measured)."""
+        return self._overhead[drafted](num_requests) or 0.0
 
     def to_dict(self) -> dict[int, float]:
-        return dict(sorted(self._by_r.items()))
+        return dict(sorted(self._draft.by_r.items()))
+
+    def overheads(self) -> dict[str, dict[int, float]]:
+        """{"drafted": {R: s}, "plain": {R: s}}: the measured step overheads (for reports)."""
+        return {k: dict(sorted(self._overhead[d].by_r.items())) for k, d in (("drafted", True), ("plain", False))}
