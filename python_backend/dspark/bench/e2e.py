@@ -104,8 +104,9 @@ def run_closed_loop(engine, prompts: list[list[int]], concurrency: int, num_requ
             "step_ms": {k: 1e3 * v / steps for k, v in m.time_s.items()},
             "propose_ms_by_requests": {str(r): 1e3 * s for r, s in (
                 engine.policy.draft_cost.to_dict().items() if engine.policy is not None else [])},
-            "step_overhead_ms_by_requests": {kind: {str(r): 1e3 * s for r, s in by_r.items()} for kind, by_r in (
-                engine.policy.draft_cost.overheads().items() if engine.policy is not None else [])},
+            "step_overhead_ms_by_requests": {
+                kind: {str(r): 1e3 * s for r, s in by_r.items()} for kind, by_r in (
+                    engine.policy.draft_cost.overheads().items() if engine.policy is not None else [])},
             "outputs": [r.output for r in reqs]}
 
 

@@ -123,7 +123,9 @@ class Policy:
         """The engine reports a whole decode step: R requests, B verified tokens, whether it called
         the drafter, its wall time and the part of it spent in propose. What the SPS table and
         propose do not explain is the step's overhead (`DraftCost.overhead`)."""
-        if self._sps_by_b is None or not self.counts_drafting or not 0 < batch_tokens <= self.max_batch_tokens:
+        if self._sps_by_b is None or not self.counts_drafting:
+            return
+        if not 0 < batch_tokens <= self.max_batch_tokens:
             return
         self.draft_cost.observe_overhead(num_requests, drafted,
                                          seconds - propose_seconds - 1.0 / self._sps_by_b[batch_tokens])
@@ -268,13 +270,13 @@ class DSpark(Policy):
         survivals of past steps (the average sorted curve of the snapshots up to step t−2 before
         the step drafted now), the best speculative rate max_K (R + Σ top-K a) / (t_draft(R) +
         o_d(R) + 1/SPS(R + K)) does not beat plain decoding's R / (1/SPS(R) + o_p(R)), with o_d
-        and o_p the measured overheads of whole drafted and plain steps (`DraftCost.overhead`). The average, not one snapshot:
-        at low concurrency a single step's survivals are a noisy guess. Reads only past steps
-        (snapshots and measured drafting times), so it stays lossless. While skipping, a probe
-        step drafts anyway so the average keeps learning: after `probe_every` skipped steps,
-        then twice as many after each probe that did not pay (up to `probe_max`), back to
-        `probe_every` as soon as speculation pays. Under load that never pays, probes then
-        cost < 1 % of the steps instead of 6 %."""
+        and o_p the measured overheads of whole drafted and plain steps (`DraftCost.overhead`).
+        The average, not one snapshot: at low concurrency a single step's survivals are a noisy
+        guess. Reads only past steps (snapshots and measured times), so it stays lossless.
+        While skipping, a probe step drafts anyway so the average keeps learning: after
+        `probe_every` skipped steps, then twice as many after each probe that did not pay (up
+        to `probe_max`), back to `probe_every` as soon as speculation pays. Under load that
+        never pays, probes then cost < 1 % of the steps instead of 6 %."""
         t_draft = self.draft_cost(num_requests)
         if not t_draft or self._profile is None or self._sps_by_b is None or num_requests < 1:
             return True
@@ -293,8 +295,8 @@ class DSpark(Policy):
         rate = 1.0 / np.maximum(t_draft + cost.overhead(num_requests, True)
                                 + 1.0 / self._sps_by_b[num_requests + 1:num_requests + room + 1], MIN_STEP_S)
         speculative = float(np.max((num_requests + gains) * rate))
-        plain = num_requests / max(1.0 / float(self._sps_by_b[num_requests]) + cost.overhead(num_requests, False),
-                                   MIN_STEP_S)
+        plain_step = 1.0 / float(self._sps_by_b[num_requests]) + cost.overhead(num_requests, False)
+        plain = num_requests / max(plain_step, MIN_STEP_S)
         if speculative > plain:
             self.skipped, self.probe_interval = 0, self.probe_every
             return True

@@ -135,7 +135,7 @@ class DraftCost:
         bit-reproducible sampled runs: the engine's measurements are then ignored)."""
         self.learn = learn
         self._draft = _ByRequests(seconds, alpha)
-        self._overhead = {True: _ByRequests(None, overhead_alpha), False: _ByRequests(None, overhead_alpha)}
+        self._overhead = {drafted: _ByRequests(None, overhead_alpha) for drafted in (True, False)}
 
     def observe(self, num_requests: int, seconds: float) -> None:
         if self.learn:
@@ -158,4 +158,5 @@ class DraftCost:
 
     def overheads(self) -> dict[str, dict[int, float]]:
         """{"drafted": {R: s}, "plain": {R: s}}: the measured step overheads (for reports)."""
-        return {k: dict(sorted(self._overhead[d].by_r.items())) for k, d in (("drafted", True), ("plain", False))}
+        return {kind: dict(sorted(self._overhead[drafted].by_r.items()))
+                for kind, drafted in (("drafted", True), ("plain", False))}
