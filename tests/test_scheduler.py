@@ -287,6 +287,27 @@ def test_cost_rule_counts_whole_step_overheads():
     assert cost.overheads() == {"drafted": {2: 0.004, 4: 0.008}, "plain": {}}
 
 
+def test_warm_from_carries_the_learned_state_not_the_batch():
+    """warm_from: a fresh policy takes over the survival curve, probe back-off and recalibration
+    of a used one (so it decides like it at once), but not its t−1 / t−2 snapshots."""
+    flat = SPSTable([1, 1024], [100.0, 99.0])
+    r, gamma = 4, 5
+    rem = torch.full((r,), 1000)
+    low = torch.full((r, gamma), 0.05).cumprod(1)
+    used = make_policy("dspark", sps=flat, gamma=gamma, draft_cost=DraftCost({r: 0.005}))
+    for _ in range(3):
+        ells = used.decide(low, rem)
+        used.observe_acceptance(low, ells, torch.zeros(r, dtype=torch.int64))
+    assert not used.wants_draft(r)
+    fresh = make_policy("dspark", sps=flat, gamma=gamma, draft_cost=used.draft_cost)
+    assert fresh.wants_draft(r)  # cold: no survival curve yet, so it drafts
+    fresh.warm_from(used)
+    assert not fresh.wants_draft(r) and not fresh._snapshots
+    assert (fresh.recalibration(gamma) == used.recalibration(gamma)).all()
+    fresh._profile[:] = 1.0  # a copy: the used policy's curve is untouched
+    assert not used.wants_draft(r)
+
+
 def test_budget_with_drafting_counted_is_the_brute_force_argmax():
     """K_t maximises (R + S(K)) / (t_draft(R) + 1/SPS(R + K)) on the t−2 snapshot."""
     gen = torch.Generator().manual_seed(12)

@@ -76,6 +76,16 @@ class Policy:
         self._predicted[:] = 0.0
         self._accepted[:] = 0.0
 
+    def warm_from(self, other: Policy) -> None:
+        """Take over what `other` learned from its completed steps: the cost rule's survival
+        curve, its probe back-off and the recalibration sums (not the t−1 / t−2 snapshots of its
+        batch). For benchmarks that build a fresh engine per run but stand for one long-running
+        server; still only past steps, so still lossless."""
+        self._profile = None if other._profile is None else other._profile.copy()
+        self.probe_interval = other.probe_interval
+        n = min(self.gamma, other.gamma)
+        self._predicted[:n], self._accepted[:n] = other._predicted[:n], other._accepted[:n]
+
     RECAL_DECAY = 0.99  # per observed step: the recalibration remembers ~100 steps
     RECAL_MIN = 4.0  # predicted survival mass a position needs before its factor departs from 1
 
