@@ -474,3 +474,14 @@ def test_backend_dir_and_fail_fast_with_log(tmp_path):
             pass
     assert srv.process.poll() is not None
     assert not list(Path("/dev/shm").glob(srv.shm_prefix + "*"))
+
+
+def test_server_env_bounds_onednn_cache_unless_set(monkeypatch):
+    """tritonserver's models get oneDNN's primitive cache bounded (soak memory); a value the
+    user set wins."""
+    from dspark.serving.triton_server import server_env as triton_env
+
+    monkeypatch.delenv("ONEDNN_PRIMITIVE_CACHE_CAPACITY", raising=False)
+    assert triton_env()["ONEDNN_PRIMITIVE_CACHE_CAPACITY"] == "256"
+    monkeypatch.setenv("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "1024")
+    assert triton_env()["ONEDNN_PRIMITIVE_CACHE_CAPACITY"] == "1024"
