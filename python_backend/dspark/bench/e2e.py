@@ -25,13 +25,13 @@ import platform
 import time
 from dataclasses import replace
 from pathlib import Path
-from typing import Any
 
 import torch
 from tqdm import tqdm
 
 from dspark import paths, wiring
 from dspark.runtime.sampling import SamplingParams
+from dspark.runtime.scheduler import Policy
 from dspark.runtime.sps import DraftCost
 
 POLICIES = ("dspark", "plain", "mtp1", "fixed:7")
@@ -347,7 +347,7 @@ def main(args: argparse.Namespace) -> int:
     # and learned its survival curve: runs of a policy stand for one warm server, not cold starts
     # (the cold start is in the live frontier's warm-up)
     draft_cost = DraftCost()
-    warm: dict[tuple[str, bool], Any] = {}
+    warm: dict[tuple[str, bool], Policy] = {}  # (policy, greedy) -> its last run's policy
 
     def engine(policy: str, params: SamplingParams, d=drafter):
         eng = wiring.build_engine(replace(spec, policy=policy), target=target,

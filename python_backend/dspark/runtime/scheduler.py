@@ -133,9 +133,8 @@ class Policy:
         """The engine reports a whole decode step: R requests, B verified tokens, whether it called
         the drafter, its wall time and the part of it spent in propose. What the SPS table and
         propose do not explain is the step's overhead (`DraftCost.overhead`)."""
-        if self._sps_by_b is None or not self.counts_drafting:
-            return
-        if not 0 < batch_tokens <= self.max_batch_tokens:
+        measured = 0 < batch_tokens <= self.max_batch_tokens
+        if self._sps_by_b is None or not self.counts_drafting or not measured:
             return
         self.draft_cost.observe_overhead(num_requests, drafted,
                                          seconds - propose_seconds - 1.0 / self._sps_by_b[batch_tokens])
@@ -301,11 +300,11 @@ class DSpark(Policy):
         # the curve at the centres of R·γ equal quantiles (their left edges read one value early)
         ranked = self._profile[(2 * np.arange(n) + 1) * self.PROFILE_POINTS // (2 * n)]
         gains = np.cumsum(ranked[:room], dtype=np.float64)
-        cost = self.draft_cost
-        rate = 1.0 / np.maximum(t_draft + cost.overhead(num_requests, True)
-                                + 1.0 / self._sps_by_b[num_requests + 1:num_requests + room + 1], MIN_STEP_S)
+        drafted = self.step_rate(num_requests)  # drafted steps/s by B, drafting and overheads counted
+        assert drafted is not None  # the SPS table and t_draft are known here
+        rate = drafted[num_requests + 1:num_requests + room + 1]
         speculative = float(np.max((num_requests + gains) * rate))
-        plain_step = 1.0 / float(self._sps_by_b[num_requests]) + cost.overhead(num_requests, False)
+        plain_step = 1.0 / float(self._sps_by_b[num_requests]) + self.draft_cost.overhead(num_requests, False)
         plain = num_requests / max(plain_step, MIN_STEP_S)
         if speculative > plain:
             self.skipped, self.probe_interval = 0, self.probe_every
