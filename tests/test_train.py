@@ -328,3 +328,47 @@ def test_data_subset_is_a_seeded_sorted_share_of_the_pool():
     for bad in (0.0, 1.5, -0.1):
         with pytest.raises(SystemExit, match="--data-fraction"):
             train.data_subset(pool, bad, seed=0)
+
+
+def test_lr_follows_the_larger_progress_fraction():
+    assert train.lr_at(0, 100, 10, 1.0, progress=0.9) == pytest.approx(0.1)  # warm-up is by step
+    assert train.lr_at(50, 100, 0, 1.0) == pytest.approx(0.55)
+    assert train.lr_at(50, 100, 0, 1.0, progress=1.0) == pytest.approx(0.1)
+    assert train.lr_at(50, 100, 0, 1.0, progress=0.2) == pytest.approx(0.55)
+
+
+def test_time_budget_ends_the_run_complete_and_exports(tiny_ckpt, data_dir, tmp_path):
+    res = run_train(tiny_ckpt, data_dir, tmp_path, "--steps", "100000", "--time-budget", "2",
+                    "--warmup", "2", "--save-dtype", "float32")
+    hist = res["history"]
+    assert 2 < len(hist) < 100000 and res["steps"] == len(hist) and res["planned_steps"] == 100000
+    assert res["time_budget_s"] == 2 and hist[-1]["time_s"] < 2 + 1
+    assert hist[-1]["lr"] < 0.3 * max(r["lr"] for r in hist)  # the cosine ran to (near) its end
+    assert Path(res["drafter_dir"]).is_dir() and res["device"] == "cpu"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_data_and_training_on_cuda(tiny_ckpt, tmp_path):
+    """make_data (generation + features) and a DSpark-Markov / EAGLE training step on CUDA: the
+    same first loss as on the CPU (fp32), the drafter exported and served back on the CPU."""
+    rng = np.random.default_rng(0)
+    for d in ("code", "prose", "math"):
+        rng.integers(3, 290, 2000).astype(np.uint16).tofile(tmp_path / f"{d}.train.bin")
+    target = TargetEngine.from_pretrained(tiny_ckpt, capacity=6, max_seq_len=64, device="cuda")
+    prompts, dom = corpus_prompts(tmp_path, 2, 4, 10, seed=0)
+    make_data(target, prompts, dom, tmp_path / "data", max_new=20, chunk=4)
+    data = load_data(tmp_path / "data")
+    assert data["taps"].device.type == "cpu" and data["taps"].shape[0] == int(data["lengths"].sum())
+    cpu_target = TargetEngine.from_pretrained(tiny_ckpt, capacity=2, max_seq_len=64)
+    for kind in ("dspark", "eagle"):
+        runs = {dev: run_train(tiny_ckpt, tmp_path / "data", tmp_path / f"{kind}-{dev}", "--kind", kind,
+                               "--steps", "3", "--device", dev, "--save-dtype", "float32")
+                for dev in ("cpu", "cuda")}
+        assert runs["cuda"]["device"] != "cpu"
+        first = {dev: run["history"][0]["loss"] for dev, run in runs.items()}
+        assert first["cuda"] == pytest.approx(first["cpu"], rel=1e-3)
+        drafter = load_drafter(str(tmp_path / f"{kind}-cuda" / "out"), cpu_target, gamma=4)
+        drafter.start(0, [5, 6, 7], torch.zeros(3, cpu_target.tap_dim))
+        blk = drafter.propose([0], torch.tensor([8]), [SamplingParams(temperature=1.0)], torch.rand(1, 4))
+        assert blk.tokens.shape == (1, 4)

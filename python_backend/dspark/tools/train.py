@@ -97,6 +97,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     t.add_argument("--alpha-conf", type=float, default=1.0)
     t.add_argument("--seed", type=int, default=0)
     t.add_argument("--threads", type=int, default=2)
+    t.add_argument("--device", default="cpu",
+                   help="cpu (default), cuda[:N] or auto: where the drafter trains; the data's features "
+                        "move there once (about 4.6 KB per token for SmolLM2)")
+    t.add_argument("--time-budget", type=float, default=None,
+                   help="seconds: stop at whichever of --steps or this comes first; the learning-rate "
+                        "cosine follows the larger of the two progress fractions, so it always completes")
     t.add_argument("--precision", choices=("bf16", "fp32"), default="bf16",
                    help="autocast dtype of the forward (bf16: AMX matmuls on the CPU; master weights fp32)")
     t.add_argument("--exclude-modes", default="",
@@ -268,8 +274,9 @@ class DrafterLoss(nn.Module):
         loss = a_ce * ce + a_tv * tv
         n_pos = 1 if self.kind == "draft_lm" else self.model.config.block_size
         stats = {"ce": (w * ce).sum().detach(), "tv": (w * tv).sum().detach(), "weight": w.sum().detach(),
-                 "rows": torch.tensor(float(w.numel())),
-                 "tv_k": torch.zeros(n_pos).index_add_(0, k0, tv.detach().float()),  # per block position
+                 "rows": torch.tensor(float(w.numel()), device=w.device),
+                 # per block position
+                 "tv_k": torch.zeros(n_pos, device=w.device).index_add_(0, k0, tv.detach().float()),
                  "n_k": torch.bincount(k0, minlength=n_pos).float()}
         if conf is not None:
             c_star = (1 - tv).detach().clamp(0, 1)
@@ -330,11 +337,23 @@ def batch_weight(kind: str, ids, anchors, loss_mask, block: int, decay_lambda: f
     return float((ok.float() * w).sum())
 
 
-def lr_at(step: int, steps: int, warmup: int, peak: float) -> float:
+def lr_at(step: int, steps: int, warmup: int, peak: float, progress: float = 0.0) -> float:
+    """Linear warm-up, then a cosine to 0.1·peak over max(step progress, `progress`) (the time
+    budget's fraction spent)."""
     if step < warmup:
         return peak * (step + 1) / warmup
-    p = (step - warmup) / max(1, steps - warmup)
+    p = max((step - warmup) / max(1, steps - warmup), progress)
     return peak * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, p))))
+
+
+def train_device(name: str) -> torch.device:
+    """--device: cpu | cuda[:N] | auto (cuda when available)."""
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dev = torch.device(name)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise SystemExit(f"--device {name}: no CUDA device here")
+    return dev
 
 
 # ---------------------------------------------------------------- main
@@ -354,6 +373,10 @@ def main(args: argparse.Namespace) -> int:
     if args.make_data:
         return _make_data(args)
     rank, world = _dist_setup()
+    dev = train_device(args.device)
+    if dev.type == "cuda" and world > 1:
+        dev = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+    args.device_name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu"
     if args.batch % world:
         raise SystemExit(f"--batch {args.batch} must be divisible by the {world} processes")
     from dspark import wiring
@@ -384,6 +407,15 @@ def main(args: argparse.Namespace) -> int:
     model = build_model(args, target_model, target_cfg, tap_layers, scale)
     lm_head = target_model.embed_tokens.weight if target_model.lm_head_proj is None else \
         target_model.lm_head_proj.weight
+    if dev.type != "cpu":
+        if args.kind == "draft_lm":
+            raise SystemExit("--kind draft_lm trains on the CPU only")
+        model.to(dev)
+        lm_head = lm_head.to(dev)
+        model.attach_shared(target_model.embed_tokens.weight.to(dev), lm_head)
+        for key in ("taps", "hidden"):
+            if key in data:
+                data[key] = data[key].to(dev)
     loss_mod = DrafterLoss(model, args.kind, lm_head, (args.alpha_ce, args.alpha_tv, args.alpha_conf), lam)
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=args.lr, betas=(0.9, 0.95), weight_decay=args.weight_decay)
@@ -396,13 +428,21 @@ def main(args: argparse.Namespace) -> int:
         opt.load_state_dict(state["opt"])
         start, history, elapsed = state["step"], state["history"], state["elapsed"]
     runner = nn.parallel.DistributedDataParallel(loss_mod) if world > 1 else loss_mod
+    budget = args.time_budget
     model.train()
     t0 = time.time() - elapsed
     c0 = time.process_time() - (history[-1].get("cpu_s", 0.0) if history else 0.0)  # CPU s, over resumes
     bar = tqdm(range(start, args.steps), desc=f"train {name}", unit="step", disable=rank != 0,
                initial=start, total=args.steps)
     stop_at = args.steps if args.stop_after is None else min(args.steps, start + args.stop_after)
+    finished = False
     for step in bar:
+        progress = (time.time() - t0) / budget if budget else 0.0
+        if budget and progress >= 1.0:  # the time budget is spent: this run is complete
+            finished = True
+            if rank == 0:
+                _save_ckpt(ckpt, model, opt, step, history, time.time() - t0)
+            break
         if step >= stop_at:
             if rank == 0:
                 _save_ckpt(ckpt, model, opt, step, history, time.time() - t0)
@@ -413,13 +453,13 @@ def main(args: argparse.Namespace) -> int:
         mine = slice(rank * args.batch // world, (rank + 1) * args.batch // world)
         ids, anchors = ids[mine], anchors[mine]
         t_max = int(lengths[ids].max())
-        tokens = data["tokens"][ids, :t_max]
+        tokens = data["tokens"][ids, :t_max].to(dev)
         taps, hidden = batch_features(data, ids, t_max, taps=not own)
-        lmask = data["loss_mask"][ids, :t_max]
-        anchors = anchors.clamp(max=t_max - 1)
+        lmask = data["loss_mask"][ids, :t_max].to(dev)
+        anchors = anchors.clamp(max=t_max - 1).to(dev)
         for grp in opt.param_groups:
-            grp["lr"] = lr_at(step, args.steps, args.warmup, args.lr)
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=args.precision == "bf16"):
+            grp["lr"] = lr_at(step, args.steps, args.warmup, args.lr, progress)
+        with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=args.precision == "bf16"):
             loss_sum, stats = runner(tokens, lmask, taps, hidden, anchors)
         (loss_sum * world / max(norm, 1e-9)).backward()  # DDP averages over ranks -> Σ / norm
         grad_norm = float(torch.nn.utils.clip_grad_norm_(params, 1.0))
@@ -444,7 +484,8 @@ def main(args: argparse.Namespace) -> int:
             bar.set_postfix(loss=f"{rec['loss']:.4f}", tv=f"{rec['tv']:.3f}")
             if (step + 1) % args.ckpt_every == 0 or step + 1 == args.steps:
                 _save_ckpt(ckpt, model, opt, step + 1, history, time.time() - t0)
-    if rank == 0 and len(history) == args.steps:
+    if rank == 0 and (len(history) == args.steps or finished):
+        model.to("cpu")
         summary = _summary(args, name, model, history, lam, time.time() - t0, world, tap_layers)
         if not args.no_export:
             _export(args, model, out, summary)
@@ -542,7 +583,9 @@ def _summary(args, name, model, history, lam, seconds, world, tap_layers) -> dic
     mean = lambda k: sum(r[k] for r in last if k in r) / max(1, sum(k in r for r in last))
     cfg = model.config
     return {"name": name, "kind": args.kind, "head": args.head if args.kind == "dspark" else None,
-            "steps": args.steps, "batch_sequences": args.batch, "anchors_per_sequence": args.anchors,
+            "steps": len(history), "planned_steps": args.steps, "time_budget_s": args.time_budget,
+            "device": getattr(args, "device_name", "cpu"), "batch_sequences": args.batch,
+            "anchors_per_sequence": args.anchors,
             "block_size": args.block_size, "decay_lambda": lam, "alphas": [args.alpha_ce, args.alpha_tv,
                                                                           args.alpha_conf],
             "lr": args.lr, "seed": args.seed, "world_size": world, "target": _rel(args.model),

@@ -156,10 +156,10 @@ def sequence_features(model, seqs: list[torch.Tensor],
         batch = torch.zeros(len(group), t, dtype=torch.int64)
         for r, k in enumerate(group):
             batch[r, :len(seqs[k])] = seqs[k]
-        h, tp = model.forward_hidden(batch)
+        h, tp = model.forward_hidden(batch.to(model.embed_tokens.weight.device))
         for r, k in enumerate(group):
             n = len(seqs[k])
-            taps[k], hidden[k] = tp[r, :n].clone(), h[r, :n].clone()
+            taps[k], hidden[k] = tp[r, :n].to("cpu", copy=True), h[r, :n].to("cpu", copy=True)
         i = j
     return torch.cat(taps), torch.cat(hidden)  # type: ignore[arg-type]
 
@@ -191,17 +191,8 @@ def make_data(target, prompts: list[list[int]], domains: list[int], out_dir: Pat
             torch.save(shard, path.with_suffix(".tmp"))
             path.with_suffix(".tmp").replace(path)
     t_gen = time.time() - t0
-    model = target.model
-    dtype = feature_dtype or next(model.parameters()).dtype
-    for c in tqdm(range(n_chunks), desc="features", unit="shard"):
-        path = out_dir / f"feat_{c:04d}.pt"
-        if path.is_file():
-            continue
-        shard = torch.load(out_dir / f"shard_{c:04d}.pt", weights_only=True)
-        seqs = list(shard["tokens"].split(torch.diff(shard["offsets"]).tolist()))
-        taps, hidden = sequence_features(model, seqs)
-        torch.save({"taps": taps.to(dtype), "hidden": hidden.to(dtype)}, path.with_suffix(".tmp"))
-        path.with_suffix(".tmp").replace(path)
+    dtype = feature_dtype or next(target.model.parameters()).dtype
+    featurise(target.model, out_dir, dtype)
     data = load_data(out_dir, features=False)
     gen = data["loss_mask"].sum(1)
     meta = {"sequences": len(prompts), "max_new": max_new, "max_len": int(data["tokens"].shape[1]),
@@ -219,6 +210,21 @@ def make_data(target, prompts: list[list[int]], domains: list[int], out_dir: Pat
             **(extra_meta or {})}
     (out_dir / "meta.json").write_text(json.dumps(meta, indent=2) + "\n")
     return meta
+
+
+def featurise(model, data_dir: Path, dtype: torch.dtype) -> None:
+    """Write the missing feat_NNNN.pt of a data folder's shards: taps and hidden in `dtype`,
+    from `model` wherever it lives (a GPU does SmolLM2's 540k tokens in seconds)."""
+    data_dir = Path(data_dir)
+    for path in tqdm(sorted(data_dir.glob("shard_*.pt")), desc="features", unit="shard"):
+        feat = path.with_name(path.name.replace("shard_", "feat_"))
+        if feat.is_file():
+            continue
+        shard = torch.load(path, weights_only=True)
+        seqs = list(shard["tokens"].split(torch.diff(shard["offsets"]).tolist()))
+        taps, hidden = sequence_features(model, seqs)
+        torch.save({"taps": taps.to(dtype), "hidden": hidden.to(dtype)}, feat.with_suffix(".tmp"))
+        feat.with_suffix(".tmp").replace(feat)
 
 
 def load_data(data_dir: Path, features: bool = True) -> dict:
@@ -283,9 +289,9 @@ def batch_features(data: dict, ids: torch.Tensor, t_max: int,
                    taps: bool = True) -> tuple[torch.Tensor | None, torch.Tensor]:
     """Padded float32 taps [B, t_max, tap_dim] (None when not `taps`) and hidden [B, t_max, d]
     of sequences `ids` (rows past a sequence's end are zero)."""
-    b = ids.numel()
-    out_t = torch.zeros(b, t_max, data["taps"].shape[1]) if taps else None
-    out_h = torch.zeros(b, t_max, data["hidden"].shape[1])
+    b, dev = ids.numel(), data["hidden"].device  # the features' device (cuda when training there)
+    out_t = torch.zeros(b, t_max, data["taps"].shape[1], device=dev) if taps else None
+    out_h = torch.zeros(b, t_max, data["hidden"].shape[1], device=dev)
     for r, i in enumerate(ids.tolist()):
         lo = int(data["offsets"][i])
         n = min(t_max, int(data["lengths"][i]))
