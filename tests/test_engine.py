@@ -666,13 +666,16 @@ def test_whole_step_on_cuda(tiny_ckpt):
     lens, cu = torch.tensor([2, 3]), torch.tensor([0, 3, 7])
     logits = torch.randn(7, target.vocab_size, device="cuda")
     new_taps = torch.randn(7, target.tap_dim, device="cuda", dtype=taps[0].dtype)
+    # the step's inputs are made before the checked region: building a CUDA tensor from host data
+    # is itself a synchronising copy (the first H200 run stopped there, inside the test)
+    last, batch = torch.tensor([5, 9], device="cuda"), SamplingBatch.from_params(params, "cuda")
+    u_verify, new_tokens = torch.rand(2, 5, device="cuda"), torch.randint(0, 50, (7,), device="cuda")
 
     def step():
-        blk = drafter.propose([0, 1], torch.tensor([5, 9], device="cuda"), params, u)
+        blk = drafter.propose([0, 1], last, params, u)
         q = drafter.draft_probs([0, 1], lens)
-        res = verify_ragged(logits, blk.tokens, lens, cu, SamplingBatch.from_params(params, "cuda"), q,
-                            torch.rand(2, 5, device="cuda"))
-        drafter.extend([0, 1], torch.randint(0, 50, (7,), device="cuda"), new_taps, cu, res.num_accepted + 1)
+        res = verify_ragged(logits, blk.tokens, lens, cu, batch, q, u_verify)
+        drafter.extend([0, 1], new_tokens, new_taps, cu, res.num_accepted + 1)
         return blk, q, res
 
     step()  # warm-up: kernel compilation, buffers

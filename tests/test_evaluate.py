@@ -82,6 +82,14 @@ def test_eval_quick_end_to_end(tiny_ckpt, tmp_path):
     gain = res["tau"]["dflash"]["gamma5"]["T0"]["mean"] - res["tau"]["dspark_markov"]["gamma5"]["T0"]["mean"]
     assert cost["dflash"]["tau_gain_per_extra_cpu_min"]["gamma5"]["T0"] == pytest.approx(gain / 10, abs=1e-4)
     assert (out.parent / f"acceptance_by_position{suffix}_ablations.png").is_file()
+    # GPU-trained folders: their cost is wall minutes on the GPU, kept apart from CPU-minutes
+    for folder, wall_s in ((markov, 120.0), (dflash, 240.0)):
+        (folder / "train.json").write_text(json.dumps({"device": "NVIDIA H200", "train_seconds": wall_s,
+                                                       "train_cpu_seconds": 5000.0}))
+    assert main(argv_abl) == 0
+    cost = json.loads(abl.read_text())["training_cost"]
+    assert cost["dflash"]["extra_gpu_min"] == 2.0 and "extra_cpu_min" not in cost["dflash"]
+    assert cost["dflash"]["tau_gain_per_extra_gpu_min"]["gamma5"]["T0"] == pytest.approx(gain / 2, abs=1e-4)
     with pytest.raises(SystemExit, match="--baseline"):
         main(argv_abl[:-1] + ["eagle"])
 

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # GPU stage 2 (on the device machine after stage 1, carry .gpu/p2): rebuild the exact default
 # model from its GGUF, recompute the drafter data's features on the GPU, generate a second,
-# disjoint data folder (600 more train prompts per domain) and train the SmolLM2 drafters in
+# disjoint data folder (600 more train prompts per domain; it ran at 6.5 sequences/s beside five
+# trainings on the H200, too slow for its 170 s slot there) and train the SmolLM2 drafters in
 # parallel on one GPU, each for the same wall-clock budget S seconds (default 240); pack the
 # exported drafters and training records into 16 MB pieces (4 come back now, stage3 the rest).
 set -uo pipefail
@@ -24,17 +25,18 @@ DATA="--model smollm2 --max-new 256 --max-prompt 448 --t1-share 0.3 --greedy-sha
 # shards present: only the features are computed (on the GPU, bf16 as served)
 dtrain --make-data $DATA --n-per-domain 600 --gen-batch 96 --chunk 300 > /tmp/logs/features.log 2>&1 || { tail -30 /tmp/logs/features.log; exit 5; }
 echo "features done at $(el)s"
+pids=()
 ARCH="--block-size 15 --gamma 7 --layers 1 --intermediate 1536 --head-rank 64 --norm-init-scale 0.25"
 BUD="--steps 100000 --batch 32 --anchors 16 --lr 3e-3 --warmup 50 --threads 2 --device cuda --ckpt-every 1000000 --results /tmp/ret/results"
 trn() { local name=$1; shift
   dtrain --model smollm2 --name "$name" --out "/tmp/ret/drafters/$name" --work "/tmp/work/$name" $ARCH $BUD "$@" \
     > "/tmp/logs/$name.log" 2>&1
   echo "$name rc=$? at $(el)s: $(grep -o 'train [^|]*|[^|]*|' /tmp/logs/$name.log | tail -1)"; }
-trn dspark-markov --kind dspark --head markov --time-budget $S &
-trn dflash --kind dspark --head none --time-budget $S &
-trn eagle --kind eagle --lr 1e-3 --time-budget $S &
-trn dspark-markov-2layer --kind dspark --head markov --layers 2 --time-budget $S &
-trn dspark-markov-halftime --kind dspark --head markov --time-budget $((S / 2)) &
+trn dspark-markov --kind dspark --head markov --time-budget $S & pids+=($!)
+trn dflash --kind dspark --head none --time-budget $S & pids+=($!)
+trn eagle --kind eagle --lr 1e-3 --time-budget $S & pids+=($!)
+trn dspark-markov-2layer --kind dspark --head markov --layers 2 --time-budget $S & pids+=($!)
+trn dspark-markov-halftime --kind dspark --head markov --time-budget $((S / 2)) & pids+=($!)
 ( timeout $((LIMIT - S - 120)) bash -c "$(declare -f dtrain); dtrain --make-data $DATA --data $D2 --n-per-domain 600 \
     --prompt-offset 600 --gen-batch 256 --chunk 600 --seed 1" > /tmp/logs/data2.log 2>&1
   rc=$?; echo "data2 rc=$rc at $(el)s"; tail -c 1500 $D2/meta.json 2>/dev/null | tr '\n' ' '; echo
@@ -42,8 +44,8 @@ trn dspark-markov-halftime --kind dspark --head markov --time-budget $((S / 2)) 
   if [ $rc -eq 0 ] && [ $S2 -ge 60 ]; then
     trn dspark-markov-2xdata --kind dspark --head markov --data $D,$D2 --time-budget $S2
     cp $D2/meta.json /tmp/ret/results/drafter_data2_meta.json
-  else echo "2xdata skipped (rc $rc, budget $S2)"; fi ) &
-wait
+  else echo "2xdata skipped (rc $rc, budget $S2)"; fi ) & pids+=($!)
+wait "${pids[@]}"  # (a bare `wait` also waits for the log's tee and never returns)
 echo "trainings done at $(el)s"; nvidia-smi --query-gpu=memory.used --format=csv
 mkdir -p /tmp/ret/logs && for f in /tmp/logs/*.log; do tail -c 20000 "$f" > "/tmp/ret/logs/$(basename "$f")"; done
 cp $D/meta.json /tmp/ret/results/drafter_data_meta_gpu.json

@@ -348,32 +348,36 @@ def summarise(results: dict[str, dict], gammas: list[int], temperatures: list[fl
 
 
 def training_cost(results: dict[str, dict], baseline: str, summary: dict) -> dict:
-    """Per drafter: training CPU-minutes (its folder's train.json), the extra minutes over the
-    baseline, and the τ gain (macro mean, every γ and T) per extra CPU-minute: where a bigger
+    """Per drafter: training minutes (its folder's train.json: CPU-minutes for a CPU run, wall
+    minutes on the GPU for a GPU run, keys named `cpu` / `gpu`), the extra minutes over the
+    baseline, and the τ gain (macro mean, every γ and T) per extra minute: where a bigger
     training budget pays most. A drafter without train.json (ngram) is left out."""
-    def cpu_min(name: str) -> float | None:
+    def cost(name: str) -> tuple[str, float] | None:
         folder = results[name].get("folder")
         f = Path(folder) / "train.json" if folder else None
         if f is None or not f.is_file():
             return None
         info = json.loads(f.read_text())
-        return round(info["train_cpu_seconds"] / 60, 2) if info.get("train_cpu_seconds") else None
+        if info.get("device", "cpu") != "cpu":
+            return "gpu", round(info["train_seconds"] / 60, 2)
+        return ("cpu", round(info["train_cpu_seconds"] / 60, 2)) if info.get("train_cpu_seconds") else None
 
-    base_min, out = cpu_min(baseline), {}
+    base, out = cost(baseline), {}
     for name in results:
-        minutes = cpu_min(name)
-        if minutes is None:
+        c = cost(name)
+        if c is None:
             continue
-        row: dict = {"train_cpu_min": minutes}
-        if base_min is not None and name != baseline:
-            extra = round(minutes - base_min, 2)
-            row["extra_cpu_min"] = extra
+        unit, minutes = c
+        row: dict = {f"train_{unit}_min": minutes}
+        if base is not None and base[0] == unit and name != baseline:
+            extra = round(minutes - base[1], 2)
+            row[f"extra_{unit}_min"] = extra
             for gk, by_t in summary["tau"][name].items():
                 for tk, tau_row in by_t.items():
                     gain = tau_row["mean"] - summary["tau"][baseline][gk][tk]["mean"]
                     row.setdefault("tau_gain", {}).setdefault(gk, {})[tk] = round(gain, 4)
-                    if extra > 1:  # per-minute only where it cost noticeably more to train
-                        row.setdefault("tau_gain_per_extra_cpu_min", {}).setdefault(gk, {})[tk] = \
+                    if abs(extra) > 1:  # per-minute only where the budgets differ noticeably
+                        row.setdefault(f"tau_gain_per_extra_{unit}_min", {}).setdefault(gk, {})[tk] = \
                             round(gain / extra, 5)
         out[name] = row
     return out
