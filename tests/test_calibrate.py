@@ -7,11 +7,16 @@ import pytest
 
 from dspark.tools.calibrate import (
     BlockTrace,
+    affine_report,
     calibrate_trace,
     fit_sts,
+    fold_shifts,
     is_calibration_prompt,
     plot_reliability,
+    position_report,
     read_calibration,
+    read_sts_shifts,
+    read_temperature_only,
     write_calibration,
 )
 from dspark.tools.traces import read_block_trace
@@ -149,3 +154,33 @@ def test_affine_sts_removes_a_bias_temperature_cannot():
     affine = affine_report(trace, params)
     assert max(affine) < 0.03 < 0.05 < min(temp_only)
     assert abs(params[0][1] + 1.5) < 0.3 and abs(params[0][0] - 1.0) < 0.25
+
+
+def biased_trace(n: int = 20_000, seed: int = 5) -> BlockTrace:
+    """Position k accepted with prob σ(u_k − 1) but the head reports z_k = u_k: a bias no
+    temperature removes (the confidence of every block is too high)."""
+    rng = np.random.default_rng(seed)
+    u = rng.normal(1.0, 1.5, size=(n, 3))
+    accept = rng.uniform(size=(n, 3)) < 1 / (1 + np.exp(-(u - 1.0)))
+    n_acc = np.where(accept.all(1), 3, np.argmin(accept, axis=1))
+    return BlockTrace(u, n_acc, np.full(n, 3))
+
+
+def test_affine_sts_ships_shifts_and_removes_a_bias_temperatures_cannot(tmp_path):
+    trace = biased_trace()
+    t_only = calibrate_trace(trace)
+    aff = calibrate_trace(trace, sts="affine")
+    assert t_only["sts"] == "temperature" and "sts_shifts" not in t_only
+    assert aff["sts"] == "affine" and len(aff["sts_shifts"]) == 3
+    assert aff["sts_shifts"][0] == pytest.approx(-1.0, abs=0.25)  # the planted bias
+    assert max(aff["ece_after"]) < 0.02 < t_only["ece_after"][0]
+    assert aff["temperature_only"]["ece_after"] == t_only["ece_after"]
+    # folding b·T into the logits turns temperature-only reports into the affine ones
+    params = list(zip(aff["sts_temperatures"], aff["sts_shifts"]))
+    folded = fold_shifts(trace, aff["sts_temperatures"], aff["sts_shifts"])
+    assert position_report(folded, aff["sts_temperatures"])["ece"] == pytest.approx(affine_report(trace, params))
+    write_calibration(tmp_path, aff)
+    assert read_sts_shifts(tmp_path) == aff["sts_shifts"]
+    assert read_temperature_only(tmp_path) == t_only["sts_temperatures"]
+    write_calibration(tmp_path, t_only)
+    assert read_sts_shifts(tmp_path) is None and read_temperature_only(tmp_path) is None

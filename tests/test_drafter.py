@@ -267,9 +267,12 @@ def test_training_forward_equals_serving_path(target, head):
 def test_dspark_save_load_roundtrip(target, tmp_path):
     d = make_dspark(target, "rnn")
     save_dspark(d.model, tmp_path / "dsp")
-    (tmp_path / "dsp" / "calibration.json").write_text(json.dumps({"sts_temperatures": [1.5] * 4}))
+    (tmp_path / "dsp" / "calibration.json").write_text(json.dumps({"sts_temperatures": [1.5] * 4,
+                                                                   "sts_shifts": [0.5, 0.0, -0.5, 1.0]}))
     loaded = load_drafter(str(tmp_path / "dsp"), target, gamma=4)
     assert isinstance(loaded, DSparkDrafter) and loaded.sts_temperatures == [1.5] * 4
+    assert loaded.sts_shifts == [0.5, 0.0, -0.5, 1.0]  # affine STS reaches the engine
+    assert SpecEngine(target, loaded, "fixed:3").sts_shifts.tolist() == [0.5, 0.0, -0.5, 1.0]
     prompts, taps = prompts_and_taps(target)
     outs, probs = [], []
     for drafter in (d, loaded):

@@ -66,6 +66,18 @@ def test_eval_quick_end_to_end(tiny_ckpt, tmp_path):
     # a second run reuses the traces and reproduces the numbers
     assert main(argv + ["--reuse-traces"]) == 0
     assert json.loads(out.read_text())["tau"] == res["tau"]
+    # affine STS ships where calibrate chose it: ECE "after" and the simulator traces apply σ(z/T + b)
+    sim_before = load_traces(out.parent / "traces" / "dspark_markov.jsonl").survival
+    (markov / "calibration.json").write_text(json.dumps({
+        "sts": "affine", "sts_temperatures": [1.0] * 5, "sts_shifts": [2.0] * 5,
+        "temperature_only": {"sts_temperatures": [1.0] * 5}}))
+    assert main(argv + ["--reuse-traces"]) == 0
+    ece_row = json.loads(out.read_text())["ece"]["dspark_markov"]
+    assert ece_row["sts"] == "affine" and ece_row["temperature_only_after"] == ece_row["before"]
+    assert ece_row["after"] != ece_row["before"]
+    sim_after = load_traces(out.parent / "traces" / "dspark_markov.jsonl").survival
+    assert (sim_after > sim_before).all()  # a positive shift raises every survival
+    (markov / "calibration.json").unlink()
     # ablation mode: every drafter ÷ the baseline, and τ gain per extra training CPU-minute
     for folder, cpu_s in ((markov, 600.0), (dflash, 1200.0)):
         (folder / "train.json").write_text(json.dumps({"train_cpu_seconds": cpu_s}))

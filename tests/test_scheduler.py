@@ -54,6 +54,9 @@ def test_sts_survival_is_cumulative_product_of_scaled_sigmoids():
     c = torch.sigmoid(z / temps)
     expected = torch.stack([c[:, 0], c[:, 0] * c[:, 1], c[:, 0] * c[:, 1] * c[:, 2]], dim=1)
     torch.testing.assert_close(sts_survival(z, temps), expected)
+    shifts = torch.tensor([0.5, -1.0, 0.0])  # affine STS: σ(z/T + b)
+    c = torch.sigmoid(z / temps + shifts)
+    torch.testing.assert_close(sts_survival(z, temps, shifts), torch.cumprod(c, dim=1))
 
 
 @pytest.mark.parametrize("spec", ALL_SPECS)

@@ -6,6 +6,9 @@
 # Every step resumes: the corpus and data folders are reused when present (data shards are
 # resumable), trainings resume from build/smollm2/work/train/NAME/ckpt.pt. Delete
 # build/smollm2/work/ to start over. On a GPU machine set THREADS and drop the lock.
+# The shipped dspark-markov, dflash and eagle were trained on a GPU instead (build/gpu/stage2.sh:
+# the same data and architecture, --device cuda, 32 sequences x 16 anchors per step, 240 s each);
+# GPU=1 runs those three trainings here with that recipe (on a CUDA machine).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 DSPARK=.venv/bin/dspark
@@ -22,14 +25,21 @@ if [ ! -f build/smollm2/work/drafter_data/meta.json ]; then
 fi
 ARCH="--block-size 15 --gamma 7 --layers 1 --intermediate 1536 --head-rank 64 --norm-init-scale 0.25"
 BUDGET="--steps $STEPS --batch 8 --anchors 8 --lr 3e-3 --warmup 20 --threads $THREADS"
-run $DSPARK train --model smollm2 --kind dspark --head markov --name dspark-markov $ARCH $BUDGET
-run $DSPARK train --model smollm2 --kind dspark --head none --name dflash $ARCH $BUDGET
-run $DSPARK train --model smollm2 --kind eagle --name eagle $ARCH $BUDGET --lr 1e-3
+if [ "${GPU:-0}" = 1 ]; then
+  GPU_BUDGET="--steps 100000 --batch 32 --anchors 16 --lr 3e-3 --warmup 50 --threads 2 --device cuda --time-budget 240"
+  $DSPARK train --model smollm2 --kind dspark --head markov --name dspark-markov $ARCH $GPU_BUDGET
+  $DSPARK train --model smollm2 --kind dspark --head none --name dflash $ARCH $GPU_BUDGET
+  $DSPARK train --model smollm2 --kind eagle --name eagle $ARCH $GPU_BUDGET --lr 1e-3
+else
+  run $DSPARK train --model smollm2 --kind dspark --head markov --name dspark-markov $ARCH $BUDGET
+  run $DSPARK train --model smollm2 --kind dspark --head none --name dflash $ARCH $BUDGET
+  run $DSPARK train --model smollm2 --kind eagle --name eagle $ARCH $BUDGET --lr 1e-3
+fi
 run $DSPARK train --model smollm2 --kind dspark --head rnn --name dspark-rnn $ARCH $BUDGET
 # own-context DSpark: no target taps (a TensorRT-LLM target exposes none); its own token encoder
 run $DSPARK train --model smollm2 --kind dspark --head markov --context own --context-layers 1 --context-intermediate 512 \
   --name dspark-own $ARCH $BUDGET
-CAL="--model smollm2 --gamma 15 --n-prompts 32 --max-tokens 128 --max-prompt-tokens 448 --concurrency 24 --threads $THREADS"
+CAL="--model smollm2 --gamma 15 --n-prompts 32 --max-tokens 128 --max-prompt-tokens 448 --concurrency 24 --threads $THREADS --sts affine"
 run $DSPARK calibrate --drafter dspark-markov,dspark-rnn,dflash,eagle,dspark-own $CAL
 EVAL="--n-prompts 16 --max-tokens 128 --max-prompt-tokens 448 --concurrency 24 --threads $THREADS --reuse-traces"
 run $DSPARK eval --model smollm2 --drafters ngram,dspark-markov,dflash,eagle,dspark-rnn,dspark-own \

@@ -123,11 +123,11 @@ def _to_host(*tensors: torch.Tensor | None) -> list[torch.Tensor | None]:
 class SpecEngine:
     def __init__(self, target: TargetLike, drafter: DrafterLike | None = None, policy=None,
                  sts_temperatures: Sequence[float] | None = None, max_batch_tokens: int = 4096,
-                 sps: SPSTable | None = None) -> None:
+                 sps: SPSTable | None = None, sts_shifts: Sequence[float] | None = None) -> None:
         """policy: a `dspark.runtime.scheduler` policy, a spec string ("none", "fixed:3", "dspark" with
         `sps`, ...) or None (plain). sts_temperatures: default the drafter's own (calibration.json),
-        padded with 1 (uncalibrated) to γ. Stop strings are the caller's (`dspark.runtime.text`):
-        it cancels the request once its text matches."""
+        padded with 1 (uncalibrated) to γ; sts_shifts (affine STS): likewise, padded with 0. Stop
+        strings are the caller's (`dspark.runtime.text`): it cancels the request once its text matches."""
         self.target, self.drafter = target, drafter
         self.gamma = int(drafter.gamma) if drafter is not None else 0
         if isinstance(policy, str):
@@ -141,6 +141,11 @@ class SpecEngine:
         temps = list(sts_temperatures or [])[:self.gamma]
         self.sts_temperatures = torch.tensor(temps + [1.0] * (self.gamma - len(temps)), dtype=torch.float32,
                                              device=self.device)
+        if sts_shifts is None:
+            sts_shifts = getattr(drafter, "sts_shifts", None)
+        shifts = list(sts_shifts or [])[:self.gamma]
+        self.sts_shifts = torch.tensor(shifts + [0.0] * (self.gamma - len(shifts)), dtype=torch.float32,
+                                       device=self.device)
         self.default_stop_ids = frozenset(getattr(target, "eos_token_ids", None) or ())
         self.reset_metrics()
         self._lock = threading.Lock()  # guards _waiting and _cancel (add/cancel come from any thread)
@@ -379,7 +384,8 @@ class SpecEngine:
                                   counters[idx.to(dev)])
             if block is not None:
                 tokens[idx.to(dev)] = block.tokens
-                survival[idx] = sts_survival(block.conf_logits, self.sts_temperatures).float().cpu()
+                surv = sts_survival(block.conf_logits, self.sts_temperatures, self.sts_shifts)
+                survival[idx] = surv.float().cpu()
         return tokens, survival
 
     def _propose(self, reqs: list[Request], anchors: torch.Tensor, keys: torch.Tensor,
@@ -418,7 +424,7 @@ class SpecEngine:
         if block is None:
             return None
         return _Drafts({reqs[i].request_id: j for j, i in enumerate(live)}, block.tokens,
-                       sts_survival(block.conf_logits, self.sts_temperatures).float())
+                       sts_survival(block.conf_logits, self.sts_temperatures, self.sts_shifts).float())
 
     def _draft_probs(self, reqs: list[Request], ells: torch.Tensor) -> torch.Tensor | None:
         """p_d of the verified drafts of sampled requests, flat [Σℓ, V] (None: one-hot drafts)."""

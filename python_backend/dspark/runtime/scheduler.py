@@ -24,10 +24,15 @@ from dspark.runtime.sps import DraftCost, SPSTable
 MIN_STEP_S = 1e-6  # floor of a modelled step time (a negative measured overhead cannot make it ≤ 0)
 
 
-def sts_survival(conf_logits: torch.Tensor, temperatures: torch.Tensor) -> torch.Tensor:
-    """Sequential Temperature Scaling (docs/architecture.md §8): ĉ = σ(z / T_k), survival = cumprod over k."""
+def sts_survival(conf_logits: torch.Tensor, temperatures: torch.Tensor,
+                 shifts: torch.Tensor | None = None) -> torch.Tensor:
+    """Sequential Temperature Scaling (docs/architecture.md §8): ĉ = σ(z / T_k [+ b_k]), survival =
+    cumprod over k. `shifts` b_k: the affine variant, shipped where temperatures alone leave a bias."""
     temps = torch.as_tensor(temperatures, dtype=conf_logits.dtype, device=conf_logits.device)
-    return torch.cumprod(torch.sigmoid(conf_logits / temps), dim=-1)
+    z = conf_logits / temps
+    if shifts is not None:
+        z = z + torch.as_tensor(shifts, dtype=conf_logits.dtype, device=conf_logits.device)
+    return torch.cumprod(torch.sigmoid(z), dim=-1)
 
 
 class Policy:

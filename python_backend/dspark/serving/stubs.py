@@ -138,6 +138,7 @@ class DrafterServer:
         return {
             "gamma": int(d.gamma),
             "sts_temperatures": [float(t) for t in getattr(d, "sts_temperatures", None) or []],
+            "sts_shifts": [float(b) for b in getattr(d, "sts_shifts", None) or []],
             "kind": type(d).__name__,
         }
 
@@ -160,6 +161,7 @@ class DrafterStub:
         self.info = info
         self.gamma = int(info["gamma"])
         self.sts_temperatures = [float(t) for t in info["sts_temperatures"]] or None
+        self.sts_shifts = [float(b) for b in info.get("sts_shifts", [])] or None
         self._names = {m: _arg_names(DrafterLike, m) for m in DRAFTER_METHODS if m != "describe"}
 
     def __getattr__(self, method: str):

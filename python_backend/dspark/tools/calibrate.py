@@ -20,7 +20,12 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from dspark.runtime.drafter import build_drafter, pad_temperatures, read_calibration  # noqa: F401 (re-exported)
+from dspark.runtime.drafter import (  # noqa: F401 (re-exported)
+    build_drafter,
+    pad_temperatures,
+    read_calibration,
+    read_sts_shifts,
+)
 from dspark.runtime.sampling import SamplingParams
 from dspark.tools.metrics import ECE_BINS, auroc, ece, reliability, sigmoid, survival
 from dspark.tools.traces import BlockTrace, read_block_trace  # noqa: F401 (the one trace format)
@@ -135,12 +140,26 @@ def affine_report(trace: BlockTrace, params: list[tuple[float, float]]) -> list[
     return [ece(a[m, k - 1], y[m]) for k in range(1, trace.gamma + 1) for m, y in [_observed(trace, k)]]
 
 
-def calibrate_trace(trace: BlockTrace, affine: bool = True) -> dict:
-    """Fit STS and measure before/after: the calibration.json payload (plus the affine
-    ablation's parameters and ECE; the runtime applies the temperatures only)."""
+def fold_shifts(trace: BlockTrace, temperatures: list[float], shifts: list[float] | None) -> BlockTrace:
+    """The trace with logits z_k + b_k·T_k, so that temperature-only STS on it equals affine STS
+    σ(z_k / T_k + b_k) on the original (the reports, sweeps and simulator traces take it as is)."""
+    if not shifts:
+        return trace
+    g = trace.gamma
+    t = np.asarray(pad_temperatures(temperatures, g), dtype=np.float64)
+    b = np.asarray((list(shifts) + [0.0] * g)[:g], dtype=np.float64)
+    return BlockTrace(trace.conf_logits + b * t, trace.n_accepted, trace.n_verified, trace.request_ids,
+                      dict(trace.meta))
+
+
+def calibrate_trace(trace: BlockTrace, affine: bool = True, sts: str = "temperature") -> dict:
+    """Fit STS and measure before/after: the calibration.json payload. `sts` = "temperature"
+    ships σ(z/T_k) (the paper's STS; the affine fit is kept as an ablation when `affine`);
+    "affine" ships σ(z/T_k + b_k) ("sts_shifts"), with the temperature-only fit kept beside it."""
     temps = fit_sts(trace)
     before, after = position_report(trace, None), position_report(trace, temps)
     out = {
+        "sts": "temperature",
         "sts_temperatures": temps,
         "gamma": trace.gamma,
         "n_blocks": len(trace),
@@ -149,11 +168,21 @@ def calibrate_trace(trace: BlockTrace, affine: bool = True) -> dict:
         "auroc_before": before["auroc"],
         "auroc_after": after["auroc"],
     }
-    if affine:
+    if sts not in ("temperature", "affine"):
+        raise ValueError(f"sts must be temperature or affine, got {sts!r}")
+    if affine or sts == "affine":
         params = fit_affine_sts(trace)
-        out["affine_ablation"] = {"params": [list(p) for p in params],
-                                  "ece_after": affine_report(trace, params),
-                                  "note": "σ(z/T + b) per position; not used at serving time"}
+        a_temps, a_shifts = [float(t) for t, _ in params], [float(b) for _, b in params]
+        a_rep = position_report(fold_shifts(trace, a_temps, a_shifts), a_temps)
+        if sts == "affine":
+            out |= {"sts": "affine", "sts_temperatures": a_temps, "sts_shifts": a_shifts,
+                    "ece_after": a_rep["ece"], "auroc_after": a_rep["auroc"],
+                    "temperature_only": {"sts_temperatures": temps, "ece_after": after["ece"],
+                                         "auroc_after": after["auroc"],
+                                         "note": "σ(z/T) per position; the fit serving does not use"}}
+        else:
+            out["affine_ablation"] = {"params": [list(p) for p in params], "ece_after": a_rep["ece"],
+                                      "note": "σ(z/T + b) per position; not used at serving time"}
     return out
 
 
@@ -194,6 +223,15 @@ def read_affine(folder: str | Path | None) -> list[tuple[float, float]] | None:
         return None
     params = json.loads(path.read_text()).get("affine_ablation", {}).get("params")
     return None if not params else [(float(t), float(b)) for t, b in params]
+
+
+def read_temperature_only(folder: str | Path | None) -> list[float] | None:
+    """Where affine STS ships: the temperature-only fit kept beside it ("temperature_only")."""
+    path = None if folder is None else Path(folder) / CALIBRATION_FILE
+    if path is None or not path.is_file():
+        return None
+    temps = json.loads(path.read_text()).get("temperature_only", {}).get("sts_temperatures")
+    return None if not temps else [float(t) for t in temps]
 
 
 def write_calibration(drafter_dir: Path, payload: dict) -> Path:
@@ -313,6 +351,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--traces-dir", default=None,
                    help="where calibration_<drafter>.jsonl goes (default: the model's work folder)")
     p.add_argument("--no-write", action="store_true", help="report only; leave calibration.json alone")
+    p.add_argument("--sts", choices=("temperature", "affine"), default="temperature",
+                   help="what serving applies: σ(z/T_k) (the paper's STS) or σ(z/T_k + b_k) (affine: for a "
+                        "confidence head with a bias that temperatures cannot remove)")
 
 
 def model_spec(args: argparse.Namespace, capacity: int = 1, max_seq_len: int = 512, drafter: str = "none"):
@@ -400,7 +441,7 @@ def main(args: argparse.Namespace) -> int:
                 target = wiring.load_target(spec)
             trace, folder = collect_calibration_trace(target, spec, name, args)
         key = Path(name).name
-        payload = calibrate_trace(trace)
+        payload = calibrate_trace(trace, sts=args.sts)
         payload.update({"ece_bins": ECE_BINS, "min_class": MIN_CLASS, "model": spec.model})
         if args.traces:
             payload["source_traces"] = paths.relative(args.traces)
@@ -415,13 +456,17 @@ def main(args: argparse.Namespace) -> int:
                             "split": "held-out calibration prompts (dspark.tools.prompts.heldout_prompts)",
                             "source_traces": paths.relative(trace_path)})
         print(f"{key}: STS on {len(trace)} blocks, γ = {trace.gamma}")
-        print(" k     T_k   ECE before  ECE after  AUROC before  AUROC after  ECE affine")
+        other = payload.get("affine_ablation") or payload["temperature_only"]
+        shifts = payload.get("sts_shifts") or [0.0] * trace.gamma
+        print(f" k     T_k     b_k   ECE before  ECE after  AUROC before  AUROC after  "
+              f"ECE {'affine' if payload['sts'] == 'temperature' else 'T only'} (not served)")
         for k in range(trace.gamma):
-            print(f"{k + 1:2d} {payload['sts_temperatures'][k]:7.3f}  {100 * payload['ece_before'][k]:9.2f}%"
+            print(f"{k + 1:2d} {payload['sts_temperatures'][k]:7.3f} {shifts[k]:7.2f}"
+                  f"  {100 * payload['ece_before'][k]:9.2f}%"
                   f"  {100 * payload['ece_after'][k]:8.2f}%  {payload['auroc_before'][k]:12.3f}"
-                  f"  {payload['auroc_after'][k]:11.3f}"
-                  f"  {100 * payload['affine_ablation']['ece_after'][k]:9.2f}%")
-        plot_reliability(trace, payload["sts_temperatures"], key, results / f"reliability_{key}{suffix}.png")
+                  f"  {payload['auroc_after'][k]:11.3f}  {100 * other['ece_after'][k]:9.2f}%")
+        plot_reliability(fold_shifts(trace, payload["sts_temperatures"], payload.get("sts_shifts")),
+                         payload["sts_temperatures"], key, results / f"reliability_{key}{suffix}.png")
         if folder is not None and not args.no_write:
             print(f"wrote {write_calibration(folder, payload)}")
     return 0

@@ -299,6 +299,7 @@ def summarise(results: dict[str, dict], gammas: list[int], temperatures: list[fl
         summary["tau"][name], summary["acceptance_by_position"][name] = tau_d, acc_d
         summary["runs"][name] = run_d
         sts = cal.read_calibration(res.get("folder"))
+        shifts = cal.read_sts_shifts(res.get("folder"))  # affine STS (None: temperature-only)
         # calibration on every T = t_cal block (all γ): position k counts where it was verified
         width = max(runs[(g, t_cal, domains[0])]["gamma_effective"] for g in gammas)
         blocks = [pad_block(b, width) for g in gammas
@@ -306,17 +307,23 @@ def summarise(results: dict[str, dict], gammas: list[int], temperatures: list[fl
         if blocks:
             trace = cal.BlockTrace.from_rows(blocks)
             temps = cal.pad_temperatures(sts, trace.gamma)
-            before, after = cal.position_report(trace, None), cal.position_report(trace, temps)
+            shipped = cal.fold_shifts(trace, temps, shifts)
+            before, after = cal.position_report(trace, None), cal.position_report(shipped, temps)
             summary["ece"][name] = {
                 "gammas": gammas, "temperature": t_cal, "n_blocks": len(trace),
                 "n_per_position": [int((trace.n_verified >= k).sum()) for k in range(1, trace.gamma + 1)],
-                "sts_temperatures": sts, "before": before["ece"], "after": after["ece"],
+                "sts": "affine" if shifts else "temperature", "sts_temperatures": sts, "sts_shifts": shifts,
+                "before": before["ece"], "after": after["ece"],
                 "auroc_before": before["auroc"], "auroc_after": after["auroc"],
-                "noise_floor_after": ece_noise_floor(trace, temps)}
+                "noise_floor_after": ece_noise_floor(shipped, temps)}
             affine = cal.read_affine(res.get("folder"))
             if affine is not None:  # the affine-STS ablation, parameters fitted by `dspark calibrate`
                 params = (affine + [affine[-1]] * trace.gamma)[:trace.gamma]
                 summary["ece"][name]["affine_ablation_after"] = cal.affine_report(trace, params)
+            t_only = cal.read_temperature_only(res.get("folder"))
+            if t_only is not None:  # affine ships: the temperature-only fit beside it
+                summary["ece"][name]["temperature_only_after"] = cal.position_report(
+                    trace, cal.pad_temperatures(t_only, trace.gamma))["ece"]
         if tokenizer is not None:  # γ = min(gammas), T = 0: where the greedy drafts go wrong
             g0, t0 = min(gammas), (0.0 if 0.0 in temperatures else temperatures[-1])
             summary["where_missed"][name] = {"gamma": g0, "temperature": t0, **{
@@ -324,7 +331,8 @@ def summarise(results: dict[str, dict], gammas: list[int], temperatures: list[fl
         sweep_blocks = run_stats([runs[(g_cal, t_cal, d)] for d in domains])["blocks"]
         if sweep_blocks:
             trace = cal.BlockTrace.from_rows(sweep_blocks)
-            summary["threshold_sweep"][name] = threshold_sweep(trace, cal.pad_temperatures(sts, trace.gamma))
+            temps = cal.pad_temperatures(sts, trace.gamma)
+            summary["threshold_sweep"][name] = threshold_sweep(cal.fold_shifts(trace, temps, shifts), temps)
             summary["fixed_sweep"][name] = fixed_sweep(trace)
     for key, (num_tag, den_tag) in (RATIO_PAIRS if pairs is None else pairs).items():
         num, den = pick(results, num_tag), pick(results, den_tag)
@@ -421,6 +429,7 @@ def write_sim_traces(traces_dir: Path, drafter: str, result: dict, domains: list
     from dspark.tools.traces import save_traces
 
     sts = cal.read_calibration(result.get("folder"))
+    shifts = cal.read_sts_shifts(result.get("folder"))  # affine STS: folded into the logits
     configs = sorted({(g, t) for (g, t, d) in result["runs"] if d in domains})
     written = []
     for gamma, temp in configs:
@@ -440,7 +449,10 @@ def write_sim_traces(traces_dir: Path, drafter: str, result: dict, domains: list
                 request += 1
         if not z:
             continue
-        meta = {"gamma": g_eff, "temperatures": cal.pad_temperatures(sts, g_eff), "drafter": drafter,
+        temps = cal.pad_temperatures(sts, g_eff)
+        if shifts:  # σ(z/T + b) = σ((z + b·T)/T): the simulator's format stays temperature-only
+            z = list(np.asarray(z) + np.asarray((shifts + [0.0] * g_eff)[:g_eff]) * np.asarray(temps))
+        meta = {"gamma": g_eff, "temperatures": temps, "drafter": drafter,
                 "sampling_temperature": temp, "domains": domains, "target": target, "requests": request,
                 "source": f"dspark eval: {drafter}, fixed:{g_eff}, T={temp:g}, eval prompts"}
         path = traces_dir / f"{drafter}_gamma{gamma}_{temp_key(temp)}.jsonl"

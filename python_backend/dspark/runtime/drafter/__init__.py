@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from dspark.runtime.drafter.dspark_drafter import read_calibration
+from dspark.runtime.drafter.dspark_drafter import read_calibration, read_sts_shifts
 from dspark.runtime.drafter.ngram import NGramDrafter
 
 
@@ -65,4 +65,4 @@ def pad_temperatures(temps: list[float] | None, gamma: int) -> list[float]:
 
 
 __all__ = ["NGramDrafter", "build_drafter", "load_drafter", "load_drafter_folder", "pad_temperatures",
-           "read_calibration"]
+           "read_calibration", "read_sts_shifts"]

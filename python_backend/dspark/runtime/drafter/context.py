@@ -222,14 +222,15 @@ class SlotDrafter:
     embedding / LM head attached, a settable γ (≤ the trained block), per-slot draft probs."""
 
     def __init__(self, model, embed_weight: torch.Tensor, lm_head_weight: torch.Tensor,
-                 gamma: int | None = None, sts_temperatures: list[float] | None = None) -> None:
+                 gamma: int | None = None, sts_temperatures: list[float] | None = None,
+                 sts_shifts: list[float] | None = None) -> None:
         self.model = model.eval().requires_grad_(False)
         self.model.attach_shared(embed_weight, lm_head_weight)
         self.config = model.config
         self.block_size = model.config.block_size
         self._gamma = 0
         self.gamma = model.config.gamma if gamma is None else gamma
-        self.sts_temperatures = sts_temperatures
+        self.sts_temperatures, self.sts_shifts = sts_temperatures, sts_shifts
         self.ctx = SlotContext()
         self.probs = DraftProbStore()
         self.device = next(model.parameters()).device

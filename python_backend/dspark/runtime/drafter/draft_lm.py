@@ -18,7 +18,7 @@ import torch
 from dspark.runtime.batch import RaggedBatch
 from dspark.runtime.config import ModelConfig
 from dspark.runtime.drafter.context import DraftProbStore
-from dspark.runtime.drafter.dspark_drafter import read_calibration
+from dspark.runtime.drafter.dspark_drafter import read_calibration, read_sts_shifts
 from dspark.runtime.interfaces import DraftBlock
 from dspark.runtime.loader import save_pretrained
 from dspark.runtime.model import Transformer
@@ -43,12 +43,12 @@ class DraftLMDrafter:
     kind = "draft_lm"
 
     def __init__(self, engine: TargetEngine, gamma: int = 7, max_gamma: int = 15,
-                 sts_temperatures: list[float] | None = None) -> None:
+                 sts_temperatures: list[float] | None = None, sts_shifts: list[float] | None = None) -> None:
         self.engine = engine
         self.max_gamma = max_gamma
         self._gamma = 0
         self.gamma = gamma
-        self.sts_temperatures = sts_temperatures
+        self.sts_temperatures, self.sts_shifts = sts_temperatures, sts_shifts
         self.vocab_size = engine.vocab_size
         self._own: dict[int, int] = {}  # engine slot -> our KV slot
         self._known: dict[int, list[int]] = {}  # tokens of the request that are final
@@ -141,4 +141,4 @@ def load_draft_lm(folder: str | Path, target, gamma: int = 7) -> DraftLMDrafter:
         raise ValueError(f"draft LM vocab {engine.vocab_size} != target vocab {target.vocab_size}")
     extra = json.loads((Path(folder) / "config.json").read_text()).get("dspark_max_gamma", 15)
     return DraftLMDrafter(engine, gamma=gamma, max_gamma=int(extra),
-                          sts_temperatures=read_calibration(folder))
+                          sts_temperatures=read_calibration(folder), sts_shifts=read_sts_shifts(folder))

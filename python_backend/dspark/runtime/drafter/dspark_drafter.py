@@ -253,8 +253,9 @@ class DSparkDrafter(SlotDrafter):
     kind = "dspark"
 
     def __init__(self, model: DSparkModel, embed_weight: torch.Tensor, lm_head_weight: torch.Tensor,
-                 gamma: int | None = None, sts_temperatures: list[float] | None = None) -> None:
-        super().__init__(model, embed_weight, lm_head_weight, gamma, sts_temperatures)
+                 gamma: int | None = None, sts_temperatures: list[float] | None = None,
+                 sts_shifts: list[float] | None = None) -> None:
+        super().__init__(model, embed_weight, lm_head_weight, gamma, sts_temperatures, sts_shifts)
         cfg = self.config
         self.dtype = self.model.fc.weight.dtype
         self.kv = SlotKV(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, self.device, self.dtype)
@@ -481,6 +482,16 @@ def read_calibration(folder: str | Path | None) -> list[float] | None:
     return None if temps is None else [float(t) for t in temps]
 
 
+def read_sts_shifts(folder: str | Path | None) -> list[float] | None:
+    """The affine STS logit shifts b_k (calibration.json "sts_shifts", written by `dspark calibrate
+    --sts affine`); None for temperature-only calibration or no file."""
+    path = None if folder is None else Path(folder) / "calibration.json"
+    if path is None or not path.is_file():
+        return None
+    shifts = json.loads(path.read_text()).get("sts_shifts")
+    return None if shifts is None else [float(b) for b in shifts]
+
+
 DRAFT_VOCAB_FILE = "draft_vocab.json"  # written by `dspark draft-vocab`
 
 
@@ -513,6 +524,7 @@ def load_dspark(folder: str | Path, target, gamma: int | None = None) -> DSparkD
     model = DSparkModel(cfg)
     model.load_state_dict({k: v.float() for k, v in load_file(str(folder / "model.safetensors")).items()})
     model.to(embed.device, embed.dtype)  # the target's dtype: its taps and LM head are used as they are
-    drafter = DSparkDrafter(model, embed, lm_head, gamma=gamma, sts_temperatures=read_calibration(folder))
+    drafter = DSparkDrafter(model, embed, lm_head, gamma=gamma, sts_temperatures=read_calibration(folder),
+                            sts_shifts=read_sts_shifts(folder))
     drafter.set_vocab(read_draft_vocab(folder))
     return drafter

@@ -23,6 +23,7 @@ from dspark.runtime.drafter.context import SlotDrafter
 from dspark.runtime.drafter.dspark_drafter import (
     JsonConfig,
     read_calibration,
+    read_sts_shifts,
     rope_inv_freq_plain,
     shared_weights,
 )
@@ -267,4 +268,5 @@ def load_eagle(folder: str | Path, target, gamma: int | None = None) -> EagleDra
     # the target's dtype, as load_dspark: in fp32 beside a bf16 target, every lm_head call cast the
     # whole [V, d] head to fp32 (γ times per propose: ~400 ms at batch 1 on SmolLM2)
     model.to(embed.device, embed.dtype)
-    return EagleDrafter(model, embed, lm_head, gamma=gamma, sts_temperatures=read_calibration(folder))
+    return EagleDrafter(model, embed, lm_head, gamma=gamma, sts_temperatures=read_calibration(folder),
+                        sts_shifts=read_sts_shifts(folder))
