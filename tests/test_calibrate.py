@@ -178,7 +178,8 @@ def test_affine_sts_ships_shifts_and_removes_a_bias_temperatures_cannot(tmp_path
     # folding b·T into the logits turns temperature-only reports into the affine ones
     params = list(zip(aff["sts_temperatures"], aff["sts_shifts"]))
     folded = fold_shifts(trace, aff["sts_temperatures"], aff["sts_shifts"])
-    assert position_report(folded, aff["sts_temperatures"])["ece"] == pytest.approx(affine_report(trace, params))
+    folded_ece = position_report(folded, aff["sts_temperatures"])["ece"]
+    assert folded_ece == pytest.approx(affine_report(trace, params))
     write_calibration(tmp_path, aff)
     assert read_sts_shifts(tmp_path) == aff["sts_shifts"]
     assert read_temperature_only(tmp_path) == t_only["sts_temperatures"]
