@@ -208,6 +208,14 @@ def test_two_processes_reach_the_same_loss_as_one(tiny_ckpt, data_dir, tmp_path)
     for a, b in zip(one, two["history"], strict=True):
         assert a["loss"] == pytest.approx(b["loss"], rel=1e-5, abs=1e-6)
         assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-4)
+    # a time budget under DDP: the ranks agree on the last step (else one would wait forever)
+    swap = {"3": "100000", "29731": "29732"}  # --steps, --master_port
+    budget = [swap.get(a, a) for a in cmd] + ["--time-budget", "3"]
+    budget[budget.index("--work") + 1] = str(two_dir / "work_budget")
+    proc = subprocess.run(budget, capture_output=True, text=True, timeout=300, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    res = json.loads((two_dir / "results" / f"train_dspark-markov_{tiny_ckpt.name}.json").read_text())
+    assert res["time_budget_s"] == 3 and 0 < res["steps"] < 100000
 
 
 # ---- the own-context drafter (config context = "own": no target taps) ----

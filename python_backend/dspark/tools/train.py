@@ -438,6 +438,10 @@ def main(args: argparse.Namespace) -> int:
     finished = False
     for step in bar:
         progress = (time.time() - t0) / budget if budget else 0.0
+        if budget and world > 1:  # every rank takes the slowest clock: they stop at the same step
+            clock = torch.tensor([progress], device=dev)
+            dist.all_reduce(clock, op=dist.ReduceOp.MAX)
+            progress = float(clock)
         if budget and progress >= 1.0:  # the time budget is spent: this run is complete
             finished = True
             if rank == 0:
