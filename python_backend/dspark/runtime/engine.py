@@ -136,16 +136,13 @@ class SpecEngine:
         self.policy: Policy | None = None if plain else policy  # None: plain decoding, no drafter calls
         self.max_batch_tokens = max_batch_tokens
         self.device = torch.device(getattr(target, "device", "cpu"))
-        if sts_temperatures is None:
-            sts_temperatures = getattr(drafter, "sts_temperatures", None)
-        temps = list(sts_temperatures or [])[:self.gamma]
-        self.sts_temperatures = torch.tensor(temps + [1.0] * (self.gamma - len(temps)), dtype=torch.float32,
-                                             device=self.device)
-        if sts_shifts is None:
-            sts_shifts = getattr(drafter, "sts_shifts", None)
-        shifts = list(sts_shifts or [])[:self.gamma]
-        self.sts_shifts = torch.tensor(shifts + [0.0] * (self.gamma - len(shifts)), dtype=torch.float32,
-                                       device=self.device)
+        def per_position(values: Sequence[float] | None, attr: str, fill: float) -> torch.Tensor:
+            values = list((getattr(drafter, attr, None) if values is None else values) or [])[:self.gamma]
+            return torch.tensor(values + [fill] * (self.gamma - len(values)), dtype=torch.float32,
+                                device=self.device)
+
+        self.sts_temperatures = per_position(sts_temperatures, "sts_temperatures", 1.0)
+        self.sts_shifts = per_position(sts_shifts, "sts_shifts", 0.0)
         self.default_stop_ids = frozenset(getattr(target, "eos_token_ids", None) or ())
         self.reset_metrics()
         self._lock = threading.Lock()  # guards _waiting and _cancel (add/cancel come from any thread)

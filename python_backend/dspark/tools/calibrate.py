@@ -26,13 +26,13 @@ from dspark.runtime.drafter import (  # noqa: F401 (re-exported)
     read_calibration,
     read_sts_shifts,
 )
+from dspark.runtime.drafter.dspark_drafter import CALIBRATION_FILE, read_calibration_file
 from dspark.runtime.sampling import SamplingParams
 from dspark.tools.metrics import ECE_BINS, auroc, ece, reliability, sigmoid, survival
 from dspark.tools.traces import BlockTrace, read_block_trace  # noqa: F401 (the one trace format)
 
 # Log-spaced temperatures 0.05 .. 20 (ECE is piecewise constant in T, so a grid suffices).
 STS_GRID = np.exp(np.linspace(math.log(0.05), math.log(20.0), 241))
-CALIBRATION_FILE = "calibration.json"
 MIN_CLASS = 5  # survivors and failures a position needs before its T_k is fitted
 CALIBRATION_FRACTION = 4  # one prompt in 4 (by content hash) is held out for calibration
 
@@ -140,16 +140,23 @@ def affine_report(trace: BlockTrace, params: list[tuple[float, float]]) -> list[
     return [ece(a[m, k - 1], y[m]) for k in range(1, trace.gamma + 1) for m, y in [_observed(trace, k)]]
 
 
-def fold_shifts(trace: BlockTrace, temperatures: list[float], shifts: list[float] | None) -> BlockTrace:
-    """The trace with logits z_k + b_k·T_k, so that temperature-only STS on it equals affine STS
-    σ(z_k / T_k + b_k) on the original (the reports, sweeps and simulator traces take it as is)."""
+def fold_logits(z: np.ndarray, temperatures: list[float] | None, shifts: list[float] | None) -> np.ndarray:
+    """Logits [N, γ] → z_k + b_k·T_k, so that temperature-only STS on them equals affine STS
+    σ(z_k / T_k + b_k) on z (z itself when there are no shifts)."""
     if not shifts:
-        return trace
-    g = trace.gamma
+        return z
+    g = z.shape[1]
     t = np.asarray(pad_temperatures(temperatures, g), dtype=np.float64)
     b = np.asarray((list(shifts) + [0.0] * g)[:g], dtype=np.float64)
-    return BlockTrace(trace.conf_logits + b * t, trace.n_accepted, trace.n_verified, trace.request_ids,
-                      dict(trace.meta))
+    return z + b * t
+
+
+def fold_shifts(trace: BlockTrace, temperatures: list[float], shifts: list[float] | None) -> BlockTrace:
+    """The trace with its logits folded (`fold_logits`): the reports and sweeps take it as is."""
+    if not shifts:
+        return trace
+    return BlockTrace(fold_logits(trace.conf_logits, temperatures, shifts), trace.n_accepted,
+                      trace.n_verified, trace.request_ids, dict(trace.meta))
 
 
 def calibrate_trace(trace: BlockTrace, affine: bool = True, sts: str = "temperature") -> dict:
@@ -218,19 +225,13 @@ def plot_reliability(trace: BlockTrace, temperatures: list[float], title: str, p
 
 def read_affine(folder: str | Path | None) -> list[tuple[float, float]] | None:
     """The affine-STS ablation's (T_k, b_k) stored in a drafter's calibration.json, if any."""
-    path = None if folder is None else Path(folder) / CALIBRATION_FILE
-    if path is None or not path.is_file():
-        return None
-    params = json.loads(path.read_text()).get("affine_ablation", {}).get("params")
+    params = read_calibration_file(folder).get("affine_ablation", {}).get("params")
     return None if not params else [(float(t), float(b)) for t, b in params]
 
 
 def read_temperature_only(folder: str | Path | None) -> list[float] | None:
     """Where affine STS ships: the temperature-only fit kept beside it ("temperature_only")."""
-    path = None if folder is None else Path(folder) / CALIBRATION_FILE
-    if path is None or not path.is_file():
-        return None
-    temps = json.loads(path.read_text()).get("temperature_only", {}).get("sts_temperatures")
+    temps = read_calibration_file(folder).get("temperature_only", {}).get("sts_temperatures")
     return None if not temps else [float(t) for t in temps]
 
 

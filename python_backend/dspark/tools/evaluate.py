@@ -450,8 +450,7 @@ def write_sim_traces(traces_dir: Path, drafter: str, result: dict, domains: list
         if not z:
             continue
         temps = cal.pad_temperatures(sts, g_eff)
-        if shifts:  # σ(z/T + b) = σ((z + b·T)/T): the simulator's format stays temperature-only
-            z = list(np.asarray(z) + np.asarray((shifts + [0.0] * g_eff)[:g_eff]) * np.asarray(temps))
+        z = cal.fold_logits(np.asarray(z), temps, shifts)  # the simulator's format is temperature-only
         meta = {"gamma": g_eff, "temperatures": temps, "drafter": drafter,
                 "sampling_temperature": temp, "domains": domains, "target": target, "requests": request,
                 "source": f"dspark eval: {drafter}, fixed:{g_eff}, T={temp:g}, eval prompts"}

@@ -470,25 +470,26 @@ def save_dspark(model: DSparkModel, folder: str | Path, dtype: torch.dtype = tor
     return folder
 
 
+CALIBRATION_FILE = "calibration.json"  # written by `dspark calibrate`
+
+
+def read_calibration_file(folder: str | Path | None) -> dict:
+    """A drafter folder's calibration.json ({} when the folder or the file is absent)."""
+    path = None if folder is None else Path(folder) / CALIBRATION_FILE
+    return json.loads(path.read_text()) if path is not None and path.is_file() else {}
+
+
 def read_calibration(folder: str | Path | None) -> list[float] | None:
     """STS temperatures written by `dspark calibrate` (calibration.json "sts_temperatures");
     None when the folder (or the file) is absent."""
-    if folder is None:
-        return None
-    path = Path(folder) / "calibration.json"
-    if not path.is_file():
-        return None
-    temps = json.loads(path.read_text()).get("sts_temperatures")
+    temps = read_calibration_file(folder).get("sts_temperatures")
     return None if temps is None else [float(t) for t in temps]
 
 
 def read_sts_shifts(folder: str | Path | None) -> list[float] | None:
     """The affine STS logit shifts b_k (calibration.json "sts_shifts", written by `dspark calibrate
     --sts affine`); None for temperature-only calibration or no file."""
-    path = None if folder is None else Path(folder) / "calibration.json"
-    if path is None or not path.is_file():
-        return None
-    shifts = json.loads(path.read_text()).get("sts_shifts")
+    shifts = read_calibration_file(folder).get("sts_shifts")
     return None if shifts is None else [float(b) for b in shifts]
 
 
