@@ -150,8 +150,6 @@ class Server:
             str(self.metrics),
             "--model",
             args.model,
-            "--drafter",
-            args.drafter,
             "--policy",
             args.policy,
             "--capacity",
@@ -159,6 +157,7 @@ class Server:
             "--model-repository",
             str(args.model_repository),
             *(["--sps", args.sps] if args.sps else []),
+            *(["--drafter", args.drafter] if args.drafter else []),
         ]
         help_text = subprocess.run(
             [sys.executable, "-m", "dspark.cli", "serve", "--help"],
@@ -248,7 +247,7 @@ def run_locust(
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="smollm2")
-    p.add_argument("--drafter", default="auto")
+    p.add_argument("--drafter", default=None, help="default: the served default (config.pbtxt)")
     p.add_argument("--policy", default="dspark")
     p.add_argument("--capacity", type=int, default=8)
     p.add_argument("--users", type=int, default=16, help="concurrent users (saturating: above --capacity)")

@@ -194,3 +194,23 @@ def test_verify_of_no_requests_is_empty(engine):
     empty = torch.zeros(0, dtype=torch.int64)
     logits, taps = engine.verify(RaggedBatch(empty, empty, empty, torch.zeros(1, dtype=torch.int64), empty))
     assert logits.shape == (0, engine.vocab_size) and taps.shape == (0, engine.tap_dim)
+
+
+def test_prepacked_linear_pads_rows_to_few_buckets_and_keeps_each_row():
+    """oneDNN caches a primitive per row count: PackedLinear runs bucketed row counts (bounded
+    memory over a long serve) and must still give every real row what F.linear gives it."""
+    from dspark.runtime.model import row_bucket, serving_linear
+
+    buckets = {row_bucket(m) for m in range(1, 4097)}
+    assert len(buckets) * 5 <= 256  # 5 matmul shapes per model fit oneDNN's bounded cache
+    assert all(m <= row_bucket(m) <= max(m + 7, m * 1.25) for m in range(1, 5000))
+    assert all(row_bucket(m) == m for m in range(1, 17))
+    torch.manual_seed(0)
+    for dtype, tol in ((torch.float32, 1e-5), (torch.bfloat16, 0.0)):
+        w, b = torch.randn(48, 32, dtype=dtype), torch.randn(48, dtype=dtype)
+        linear = serving_linear(w, b)
+        for m in (1, 17, 70, 300):
+            x = torch.randn(m, 32, dtype=dtype)
+            y = linear(x)
+            assert y.shape == (m, 48)
+            torch.testing.assert_close(y, torch.nn.functional.linear(x, w, b), atol=tol, rtol=tol)

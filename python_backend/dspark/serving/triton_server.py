@@ -123,9 +123,9 @@ def server_env(extra: dict[str, str] | None = None) -> dict[str, str]:
     # Several model processes share the cores (target, drafter, dspark): OpenMP threads that
     # spin after each parallel region (the default) starve the others; passive ones sleep.
     env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-    # oneDNN caches one primitive per matmul shape (1 024 by default) and a ragged verify makes a
-    # new row count nearly every step: bounded to 256, the soak's RSS growth fell from +17.8 % to
-    # +14.8 % with 2 % fewer requests served, within run-to-run noise (README "Soak")
+    # oneDNN caches one primitive per matmul shape (1 024 by default); the prepacked projections
+    # bucket their row counts (model.row_bucket) so that every shape fits 256 entries and the
+    # cache stops churning: the soak's RSS growth fell from +14.8 % to +2.2 % (README "Soak")
     env.setdefault("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "256")
     env.update(extra or {})
     return env
