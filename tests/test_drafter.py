@@ -275,7 +275,7 @@ def test_dspark_save_load_roundtrip(target, tmp_path):
     assert SpecEngine(target, loaded, "fixed:3").sts_shifts.tolist() == [0.5, 0.0, -0.5, 1.0]
     prompts, taps = prompts_and_taps(target)
     outs, probs = [], []
-    for drafter in (d, loaded):
+    for drafter in (d.pack_for_inference(), loaded):  # a loaded drafter serves packed weights
         start_all(drafter, prompts, taps, [0, 1])
         outs.append(drafter.propose([0, 1], torch.tensor([5, 9]), MIXED, uniforms(2, 4)))
         probs.append(drafter.draft_probs([0, 1], torch.tensor([4, 4])))
@@ -283,6 +283,25 @@ def test_dspark_save_load_roundtrip(target, tmp_path):
     assert torch.equal(probs[0], probs[1]) and torch.equal(outs[0].conf_logits, outs[1].conf_logits)
     stored = sum(p.stat().st_size for p in (tmp_path / "dsp").iterdir())
     assert stored < d.model.trainable_bytes() + 20_000  # the shared embedding / LM head are not stored
+
+
+def test_packed_drafter_drafts_like_its_modules(target):
+    """pack_for_inference serves every projection from prepacked weights: context, backbone, LM
+    head and sequential head give what the nn.Linear modules give (fp32: another summation
+    order), with the full vocabulary and with a draft vocabulary set before or after packing."""
+    plain, packed = make_dspark(target, "markov"), make_dspark(target, "markov").pack_for_inference()
+    prompts, taps = prompts_and_taps(target)
+    tokens = torch.tensor([[3, 4, 5, 6], [7, 8, 9, 10]])
+    for vocab in (None, torch.arange(40, 200)):
+        for d in (plain, packed):
+            d.set_vocab(vocab)
+            start_all(d, prompts, taps, [0, 1])
+        (la, ca), (lb, cb) = (d.score([0, 1], torch.tensor([5, 9]), tokens) for d in (plain, packed))
+        torch.testing.assert_close(lb, la, atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(cb, ca, atol=1e-4, rtol=1e-4)
+        blocks = [d.propose([0, 1], torch.tensor([5, 9]), MIXED, uniforms(2, 4)) for d in (plain, packed)]
+        assert torch.equal(blocks[0].tokens, blocks[1].tokens)
+    assert packed._packed and not plain._packed
 
 
 def test_drafter_loads_from_shared_weights_alone(target, tiny_ckpt, tmp_path):

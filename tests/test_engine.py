@@ -465,6 +465,23 @@ def test_seeded_sampling_reproducible(target, prompts):
     assert run(100) != first
 
 
+
+def test_greedy_steps_draw_no_uniforms_and_sampled_steps_do(target, prompts, reference, monkeypatch):
+    """Philox is skipped when every request of a step is greedy (it reads no uniforms), and still
+    runs as soon as one request samples (a mixed batch keeps its seeded draws)."""
+    import dspark.runtime.engine as engine_module
+
+    calls = []
+    real = engine_module.philox_uniforms
+    monkeypatch.setattr(engine_module, "philox_uniforms", lambda *a: calls.append(a[-1]) or real(*a))
+    engine = SpecEngine(target, RandomDrafter(4, target, seed=1), "fixed:3", sps=SPS)
+    assert engine.generate(prompts[:3], MAX_TOKENS, SamplingParams()) == reference[:3]
+    assert not calls
+    params = [SamplingParams(), SamplingParams(temperature=1.0, seed=3)]
+    engine.generate(prompts[:2], MAX_TOKENS, params)
+    assert engine_module.STREAM_DRAFT in calls and engine_module.STREAM_VERIFY in calls
+
+
 # ---- the output distribution through the whole engine (docs/architecture.md §6) ----
 
 VOCAB = 8

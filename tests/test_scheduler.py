@@ -309,6 +309,14 @@ def test_warm_from_carries_the_learned_state_not_the_batch():
     assert (fresh.recalibration(gamma) == used.recalibration(gamma)).all()
     fresh._profile[:] = 1.0  # a copy: the used policy's curve is untouched
     assert not used.wants_draft(r)
+    # the measured drafting cost comes along too (a copy), unless a policy keeps fixed costs
+    cold = make_policy("dspark", sps=flat, gamma=gamma)
+    assert cold.draft_cost(r) is None
+    cold.warm_from(used)
+    assert cold.draft_cost(r) == 0.005 and cold.draft_cost is not used.draft_cost
+    fixed = make_policy("dspark", sps=flat, gamma=gamma, draft_cost=DraftCost({r: 0.001}, learn=False))
+    fixed.warm_from(used)
+    assert fixed.draft_cost(r) == 0.001
 
 
 def test_budget_with_drafting_counted_is_the_brute_force_argmax():

@@ -37,7 +37,7 @@ def random_drafter(target, gamma: int, layers: int = 1, intermediate: int = 512,
         intermediate_size=intermediate, block_size=15, gamma=gamma, head="markov", head_rank=rank,
         tap_layers=list(target.tap_layers)))
     emb, lm, _ = shared_weights(target)
-    return DSparkDrafter(model.to(emb.device, emb.dtype), emb, lm, gamma=gamma)
+    return DSparkDrafter(model.to(emb.device, emb.dtype), emb, lm, gamma=gamma).pack_for_inference()
 
 
 def fastest(fn, repeats: int) -> float:

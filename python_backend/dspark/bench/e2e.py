@@ -322,6 +322,8 @@ def main(args: argparse.Namespace) -> int:
     if spec.num_threads > 0:
         torch.set_num_threads(spec.num_threads)
     concurrency = [int(c) for c in args.concurrency.split(",") if c]
+    if 1 not in concurrency:
+        raise SystemExit(f"--concurrency {args.concurrency}: include 1 (the batch-1 columns come from it)")
     spec = replace(spec, capacity=max(spec.capacity, *concurrency))
     target = wiring.load_target(spec)
     drafter = wiring.load_drafter(spec, target)

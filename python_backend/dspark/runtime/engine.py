@@ -120,6 +120,15 @@ def _to_host(*tensors: torch.Tensor | None) -> list[torch.Tensor | None]:
     return out
 
 
+def step_uniforms(reqs: list[Request], keys: torch.Tensor, counters: torch.Tensor, width: int,
+                  stream: int) -> torch.Tensor:
+    """The step's Philox uniforms [R, width]; zeros when every request is greedy (greedy drafting
+    and acceptance read none, and Philox costs ~0.6 ms a call on this CPU: 5 % of a batch-1 step)."""
+    if all(r.params.greedy for r in reqs):
+        return torch.zeros(len(reqs), width, device=keys.device)
+    return philox_uniforms(keys, counters, width, stream)
+
+
 class SpecEngine:
     def __init__(self, target: TargetLike, drafter: DrafterLike | None = None, policy=None,
                  sts_temperatures: Sequence[float] | None = None, max_batch_tokens: int = 4096,
@@ -245,7 +254,7 @@ class SpecEngine:
         clock["verify"] += time.perf_counter() - t
 
         t = time.perf_counter()
-        uniforms = philox_uniforms(keys, counters, g + 1, STREAM_VERIFY)
+        uniforms = step_uniforms(reqs, keys, counters, g + 1, STREAM_VERIFY)
         block = drafts if drafts is not None else torch.zeros(R, g, dtype=torch.int64, device=dev)
         res = verify_ragged(logits, block, ells, batch.cu_seqlens, sampling, q, uniforms)
         clock["accept"] += time.perf_counter() - t
@@ -396,7 +405,7 @@ class SpecEngine:
         self._step_drafter_calls += 1
         try:
             block = drafter.propose([r.slot for r in reqs], anchors, [r.params for r in reqs],
-                                         philox_uniforms(keys, counters, self.gamma, STREAM_DRAFT))
+                                         step_uniforms(reqs, keys, counters, self.gamma, STREAM_DRAFT))
         except Exception:
             self._fallback("propose")
             return None

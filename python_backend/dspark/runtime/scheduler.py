@@ -12,6 +12,7 @@ property on random batches.
 
 from __future__ import annotations
 
+import copy
 from collections import deque
 from typing import Any
 
@@ -83,10 +84,12 @@ class Policy:
 
     def warm_from(self, other: Policy) -> None:
         """Take over what `other` learned from its completed steps: the cost rule's survival
-        curve, its probe back-off and the recalibration sums (not the t−1 / t−2 snapshots of its
-        batch). For benchmarks that build a fresh engine per run but stand for one long-running
-        server; still only past steps, so still lossless."""
+        curve, its probe back-off, its measured drafting and step costs and the recalibration sums
+        (not the t−1 / t−2 snapshots of its batch). For benchmarks that build a fresh engine per
+        run but stand for one long-running server; still only past steps, so still lossless."""
         self._profile = None if other._profile is None else other._profile.copy()
+        if self.draft_cost.learn and other.draft_cost.learn:
+            self.draft_cost = copy.deepcopy(other.draft_cost)
         self.probe_interval = other.probe_interval
         n = min(self.gamma, other.gamma)
         self._predicted[:n], self._accepted[:n] = other._predicted[:n], other._accepted[:n]

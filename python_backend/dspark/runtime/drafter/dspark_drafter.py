@@ -30,7 +30,7 @@ from torch import nn
 from dspark.runtime.drafter.context import SlotDrafter, SlotKV, segments
 from dspark.runtime.drafter.heads import ConfidenceHead, make_head
 from dspark.runtime.interfaces import DraftBlock
-from dspark.runtime.model import RMSNorm, apply_rope, rope_cos_sin
+from dspark.runtime.model import Dense, PackedLinear, RMSNorm, apply_rope, rope_cos_sin, serving_linear
 from dspark.runtime.sampling import SamplingBatch, SamplingParams
 
 
@@ -99,11 +99,17 @@ class DraftLayer(nn.Module):
         self.up_proj = nn.Linear(d, cfg.intermediate_size, bias=False)
         self.down_proj = nn.Linear(cfg.intermediate_size, d, bias=False)
 
-    def kv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """x [B, T, d] -> k, v [B, T, Hkv, hd] (k normed and rotated). Used for ctx and block alike."""
+    def kv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+           proj=None) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [B, T, d] -> k, v [B, T, Hkv, hd] (k normed and rotated). Used for ctx and block alike.
+        proj(linear, x): how to apply a projection (default: the module itself)."""
         b, t, _ = x.shape
-        k = self.k_norm(self.k_proj(x).view(b, t, self.n_kv, self.head_dim))
-        return apply_rope(k, cos, sin), self.v_proj(x).view(b, t, self.n_kv, self.head_dim)
+        if proj is None:
+            k_x, v_x = self.k_proj(x), self.v_proj(x)
+        else:
+            k_x, v_x = proj(self.k_proj, x), proj(self.v_proj, x)
+        k = self.k_norm(k_x.view(b, t, self.n_kv, self.head_dim))
+        return apply_rope(k, cos, sin), v_x.view(b, t, self.n_kv, self.head_dim)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx_k: torch.Tensor,
                 ctx_v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -259,7 +265,23 @@ class DSparkDrafter(SlotDrafter):
         cfg = self.config
         self.dtype = self.model.fc.weight.dtype
         self.kv = SlotKV(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, self.device, self.dtype)
+        self._packed: dict[nn.Module, PackedLinear | Dense] = {}
         self.set_vocab(None)
+
+    def pack_for_inference(self) -> DSparkDrafter:
+        """Serve every projection from weights laid out once for the device (`serving_linear`:
+        oneDNN-prepacked on the CPU, with bucketed row counts). On SmolLM2 the draft LM head alone
+        was 38 % of a batch-1 propose with F.linear. The model's weights must not change afterwards
+        (a loaded drafter; not one that is being trained)."""
+        self._packed = {lin: serving_linear(lin.weight.detach()) for lin in self.model.modules()
+                        if isinstance(lin, nn.Linear) and lin.bias is None}
+        self.set_vocab(self.vocab)
+        return self
+
+    def _proj(self, linear: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        """linear(x), from the packed weight after `pack_for_inference`."""
+        packed = self._packed.get(linear)
+        return linear(x) if packed is None else packed(x)
 
     def set_vocab(self, ids: torch.Tensor | None) -> None:
         """Draft over a subset of the vocabulary (None: all of it). The LM head and the sequential
@@ -271,13 +293,16 @@ class DSparkDrafter(SlotDrafter):
         if ids is None:
             self.vocab = None
             self._lm, self._w2 = lm, None if w2 is None else w2.weight
-            return
-        ids = torch.as_tensor(ids, dtype=torch.int64).unique().to(self.device)  # sorted, distinct
-        if int(ids.min()) < 0 or int(ids.max()) >= self.config.vocab_size:
-            raise ValueError(f"draft vocabulary ids must be in [0, {self.config.vocab_size})")
-        self.vocab = ids
-        self._lm = lm[ids].contiguous()
-        self._w2 = None if w2 is None else w2.weight[ids].contiguous()
+        else:
+            ids = torch.as_tensor(ids, dtype=torch.int64).unique().to(self.device)  # sorted, distinct
+            if int(ids.min()) < 0 or int(ids.max()) >= self.config.vocab_size:
+                raise ValueError(f"draft vocabulary ids must be in [0, {self.config.vocab_size})")
+            self.vocab = ids
+            self._lm = lm[ids].contiguous()
+            self._w2 = None if w2 is None else w2.weight[ids].contiguous()
+        linear = serving_linear if self._packed else Dense
+        self._lm_head = linear(self._lm)  # [K, d]: the step's one big read
+        self._w2_head = None if self._w2 is None else linear(self._w2)
 
     def _token_ids(self, idx: torch.Tensor) -> torch.Tensor:
         return idx if self.vocab is None else self.vocab[idx]
@@ -327,10 +352,10 @@ class DSparkDrafter(SlotDrafter):
         slot_t = torch.tensor(slots, dtype=torch.int64, device=dev)
         slot_rows = slot_t[seq.to(dev)]
         rows = self.kv.lengths[slot_rows] + local.to(dev)
-        h_ctx = m.ctx_norm(m.fc(self._context_rows(slots, tokens, taps, cu, keep)))[None]
+        h_ctx = m.ctx_norm(self._proj(m.fc, self._context_rows(slots, tokens, taps, cu, keep)))[None]
         cos, sin = m.rope(rows[None], h_ctx.dtype)
-        for i, layer in enumerate(m.layers):
-            k, v = layer.kv(h_ctx, cos, sin)
+        for i, layer in enumerate(m.draft_layers):
+            k, v = layer.kv(h_ctx, cos, sin, self._proj)
             self.kv.write(i, slot_rows, rows, k[0], v[0])
         self.kv.advance(slot_t, keep)
         for s, n in zip(slots, lens):
@@ -378,10 +403,12 @@ class DSparkDrafter(SlotDrafter):
         x = m.block_inputs(anchors)
         cos, sin = m.rope(pos, x.dtype)
         slot_rows = slot_t[:, None].expand(r, g)
-        for i, layer in enumerate(m.layers):
+        proj = self._proj
+        for i, layer in enumerate(m.draft_layers):
             h = layer.input_norm(x)
-            q = apply_rope(layer.q_norm(layer.q_proj(h).view(r, g, layer.n_heads, layer.head_dim)), cos, sin)
-            k, v = layer.kv(h, cos, sin)
+            q = layer.q_norm(proj(layer.q_proj, h).view(r, g, layer.n_heads, layer.head_dim))
+            q = apply_rope(q, cos, sin)
+            k, v = layer.kv(h, cos, sin, proj)
             self.kv.write(i, slot_rows, pos, k, v)
             keys, vals = self.kv.read(i, slot_t, first, rows)
             # GQA without copying K/V: the query heads sharing a kv head become rows of one query
@@ -391,9 +418,9 @@ class DSparkDrafter(SlotDrafter):
             qg = qg.reshape(r, layer.n_kv, grp * g, layer.head_dim)
             out = F.scaled_dot_product_attention(qg, keys, vals, attn_mask=mask)
             out = out.view(r, layer.n_kv, grp, g, layer.head_dim).permute(0, 3, 1, 2, 4)
-            x = x + layer.o_proj(out.reshape(r, g, -1))
+            x = x + proj(layer.o_proj, out.reshape(r, g, -1))
             h = layer.post_norm(x)
-            x = x + layer.down_proj(F.silu(layer.gate_proj(h)) * layer.up_proj(h))
+            x = x + proj(layer.down_proj, F.silu(proj(layer.gate_proj, h)) * proj(layer.up_proj, h))
         return x[:, :self.gamma]
 
     def _head(self, h: torch.Tensor, base: torch.Tensor, x0: torch.Tensor,
@@ -405,7 +432,7 @@ class DSparkDrafter(SlotDrafter):
         x_prev, state = x0, None
         for k in range(self.gamma):
             feats, state = head.step(x_prev, h[:, k], state)
-            bias = None if feats is None or self._w2 is None else F.linear(feats, self._w2)
+            bias = None if feats is None or self._w2_head is None else self._w2_head(feats)
             logits = base[:, k] if bias is None else base[:, k] + bias
             tokens[:, k] = x_prev = choose(k, logits)
         prev = torch.cat([x0[:, None], tokens[:, :-1]], dim=1)
@@ -416,7 +443,7 @@ class DSparkDrafter(SlotDrafter):
                 uniforms: torch.Tensor) -> DraftBlock:
         anchors = anchors.to(self.device, torch.int64)
         h = self._backbone(slots, anchors)
-        base = F.linear(self.model.norm(h), self._lm)  # [R, γ, K]: the step's one big GEMM
+        base = self._lm_head(self.model.norm(h))  # [R, γ, K]: the step's one big GEMM
         greedy = [p.greedy for p in params]
         if all(greedy):
             tokens, conf = self._head(h, base, anchors,
@@ -444,7 +471,7 @@ class DSparkDrafter(SlotDrafter):
         use at each position if it had drafted `tokens` [R, γ] (tests, analysis)."""
         anchors, tokens = anchors.to(self.device, torch.int64), tokens.to(self.device, torch.int64)
         h = self._backbone(slots, anchors)
-        base = F.linear(self.model.norm(h), self._lm)
+        base = self._lm_head(self.model.norm(h))
         out: list[torch.Tensor] = []
 
         def forced(k: int, logits: torch.Tensor) -> torch.Tensor:
@@ -528,4 +555,4 @@ def load_dspark(folder: str | Path, target, gamma: int | None = None) -> DSparkD
     drafter = DSparkDrafter(model, embed, lm_head, gamma=gamma, sts_temperatures=read_calibration(folder),
                             sts_shifts=read_sts_shifts(folder))
     drafter.set_vocab(read_draft_vocab(folder))
-    return drafter
+    return drafter.pack_for_inference()
