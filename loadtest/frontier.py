@@ -116,7 +116,7 @@ def serve(args, policy: str) -> TritonServer:
             if v
         }
     )
-    env = {wiring.ENV_VARS[k]: str(v) for k, v in settings.items()}
+    env = {wiring.ENV_VARS[k]: str(v) for k, v in settings.items() if v is not None}
     srv = TritonServer(
         args.model_repository, http_port=0, grpc_port=0, metrics_port=0, host="127.0.0.1", env=env
     )
@@ -281,7 +281,8 @@ def plot(by_policy: dict[str, dict[int, dict]], out_prefix: Path, title: str) ->
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="smollm2")
-    p.add_argument("--drafter", default="auto", help="drafter of the speculative policies")
+    p.add_argument("--drafter", default=None,
+                   help="drafter of the speculative policies (default: the served one, config.pbtxt)")
     p.add_argument("--policies", default=",".join(POLICIES))
     p.add_argument("--concurrency", default=",".join(map(str, CONCURRENCY)))
     p.add_argument("--capacity", type=int, default=0, help="KV slots (default: the largest concurrency)")
