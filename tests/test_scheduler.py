@@ -248,7 +248,7 @@ def test_cost_rule_skips_drafting_only_when_it_is_slower_than_plain():
     for _ in range(8):  # the average curve follows confident steps within a few steps
         policy.decide(high, rem)
     assert policy.wants_draft(r)
-    assert policy.probe_interval == policy.probe_every  # speculation paid: probing starts over
+    assert policy.probe_state(r) == [0, policy.probe_every]  # speculation paid: probing starts over
     # a free drafter: speculation never loses to plain on a flat SPS
     free = make_policy("dspark", sps=flat, gamma=gamma, draft_cost=DraftCost({r: 1e-9}))
     free.decide(low, rem)
@@ -256,6 +256,41 @@ def test_cost_rule_skips_drafting_only_when_it_is_slower_than_plain():
     assert free.wants_draft(r)
     # policies other than dspark always draft
     assert make_policy("fixed:3", sps=flat, gamma=gamma, draft_cost=DraftCost({r: 1.0})).wants_draft(r)
+
+
+
+def test_probe_back_off_is_kept_per_class_of_request_count():
+    """Speculation that pays at R = 2 resets the probe back-off of R in 2–3 only: at R = 8 the rule
+    keeps probing once per 256 skipped steps."""
+    flat = SPSTable([1, 1024], [100.0, 99.0])
+    gamma = 7
+    policy = make_policy("dspark", sps=flat, gamma=gamma, draft_cost=DraftCost({2: 0.001, 8: 0.005}))
+    low8, rem8 = torch.full((8, gamma), 0.05).cumprod(1), torch.full((8,), 1000)
+    for _ in range(2):
+        policy.decide(low8, rem8)
+    for _ in range(2000):
+        policy.wants_draft(8)
+    assert policy.probe_state(8)[1] == policy.probe_max
+    high2, rem2 = torch.full((2, gamma), 0.95).cumprod(1), torch.full((2,), 1000)
+    for _ in range(8):
+        policy.decide(high2, rem2)
+    assert policy.wants_draft(2) and policy.probe_state(2) == [0, policy.probe_every]
+    assert policy.probe_state(8)[1] == policy.probe_max and policy.probe_state(9) is policy.probe_state(15)
+    fresh = make_policy("dspark", sps=flat, gamma=gamma)
+    fresh.warm_from(policy)
+    assert fresh.probe_state(8) == policy.probe_state(8) and fresh.probe_state(8) is not policy.probe_state(8)
+
+
+def test_drafting_cost_extrapolates_upwards_in_request_count():
+    """t_draft(R) above the largest measured R follows the slope of the two largest (propose grows
+    with R), never falling; one measurement, or below the range: the nearest; overheads stay flat."""
+    cost = DraftCost({1: 0.003, 2: 0.004})
+    assert cost(8) == pytest.approx(0.010) and cost(1) == 0.003 and cost(2) == 0.004
+    assert DraftCost({4: 0.006})(32) == 0.006 and DraftCost({4: 0.006})(1) == 0.006
+    assert DraftCost({1: 0.005, 2: 0.004})(8) == 0.004  # measured noise: never a falling cost
+    cost.observe_overhead(1, True, 0.001)
+    cost.observe_overhead(2, True, 0.002)
+    assert cost.overhead(8, True) == 0.002
 
 
 def test_cost_rule_counts_whole_step_overheads():
@@ -368,7 +403,7 @@ def test_recalibration_follows_realised_acceptance():
 
 def test_draft_cost_interpolates_and_learns():
     cost = DraftCost({1: 0.002, 9: 0.010})
-    assert cost(5) == pytest.approx(0.006) and cost(32) == 0.010 and cost(1) == 0.002
+    assert cost(5) == pytest.approx(0.006) and cost(32) == pytest.approx(0.033) and cost(1) == 0.002
     cost.observe(1, 0.004)
     assert 0.002 < cost(1) < 0.004
     assert DraftCost()(4) is None

@@ -65,8 +65,8 @@ class Policy:
             self._buckets = np.asarray(sps.batch_tokens, dtype=np.int64)
         self._snapshots: deque[np.ndarray] = deque(maxlen=2)  # admissible survivals of t−2, t−1
         self.last_budget = 0
-        self.skipped = 0  # consecutive steps the cost rule left undrafted
-        self.probe_interval = self.probe_every  # skipped steps until the next probe (backs off)
+        # cost rule's probe back-off per class of R (R.bit_length()): [skipped steps, interval]
+        self._probes: dict[int, list[int]] = {}
         self._profile: np.ndarray | None = None  # cost rule: average sorted survival curve (≤ t−1)
         # online recalibration: per position, decayed sums of predicted survival and of acceptance
         self._predicted = np.zeros(self.gamma)
@@ -76,8 +76,7 @@ class Policy:
     def reset(self) -> None:
         self._snapshots.clear()
         self.last_budget = 0
-        self.skipped = 0
-        self.probe_interval = self.probe_every
+        self._probes = {}
         self._profile = None
         self._predicted[:] = 0.0
         self._accepted[:] = 0.0
@@ -90,7 +89,7 @@ class Policy:
         self._profile = None if other._profile is None else other._profile.copy()
         if self.draft_cost.learn and other.draft_cost.learn:
             self.draft_cost = copy.deepcopy(other.draft_cost)
-        self.probe_interval = other.probe_interval
+        self._probes = {c: list(v) for c, v in other._probes.items()}
         n = min(self.gamma, other.gamma)
         self._predicted[:n], self._accepted[:n] = other._predicted[:n], other._accepted[:n]
 
@@ -159,6 +158,12 @@ class Policy:
     def wants_draft(self, num_requests: int) -> bool:
         """Draft the coming step at all? Decided before drafting, from past steps only."""
         return True
+
+    def probe_state(self, num_requests: int) -> list[int]:
+        """[skipped steps, steps between probes] of the cost rule at R: one back-off per
+        power-of-two class of R (1, 2–3, 4–7, …), since speculation paying at R = 2 says nothing
+        about R = 32 and must not bring back frequent probes there."""
+        return self._probes.setdefault(int(num_requests).bit_length(), [0, self.probe_every])
 
     # -- subclass hooks (a is γ-major [γ, R], cap [R]) -----------------------------------------
     def _admit_lengths(self, a: np.ndarray, cap: np.ndarray) -> np.ndarray:
@@ -292,14 +297,15 @@ class DSpark(Policy):
         guess. Reads only past steps (snapshots and measured times), so it stays lossless.
         While skipping, a probe step drafts anyway so the average keeps learning: after
         `probe_every` skipped steps, then twice as many after each probe that did not pay (up
-        to `probe_max`), back to `probe_every` as soon as speculation pays. Under load that
-        never pays, probes then cost < 1 % of the steps instead of 6 %."""
+        to `probe_max`), back to `probe_every` as soon as speculation pays; counted per class of
+        R (`probe_state`). Under load that never pays, probes then cost < 1 % of the steps
+        instead of 6 %."""
         t_draft = self.draft_cost(num_requests)
         if not t_draft or self._profile is None or self._sps_by_b is None or num_requests < 1:
             return True
-        if self.skipped >= self.probe_interval:
-            self.skipped = 0
-            self.probe_interval = min(2 * self.probe_interval, self.probe_max)
+        probe = self.probe_state(num_requests)
+        if probe[0] >= probe[1]:
+            probe[0], probe[1] = 0, min(2 * probe[1], self.probe_max)
             return True
         room = min(self.max_batch_tokens - num_requests, num_requests * self.gamma)
         if room < 1:
@@ -315,9 +321,9 @@ class DSpark(Policy):
         plain_step = 1.0 / float(self._sps_by_b[num_requests]) + self.draft_cost.overhead(num_requests, False)
         plain = num_requests / max(plain_step, MIN_STEP_S)
         if speculative > plain:
-            self.skipped, self.probe_interval = 0, self.probe_every
+            probe[0], probe[1] = 0, self.probe_every
             return True
-        self.skipped += 1
+        probe[0] += 1
         return False
 
     def _budget(self, a, cap, room):

@@ -96,10 +96,12 @@ class SPSTable:
 
 class _ByRequests:
     """Seconds by request count R: an exponential moving average per measured R; unmeasured R
-    interpolate linearly between the nearest measured ones (constant beyond them)."""
+    interpolate linearly between the nearest measured ones; beyond them constant, or with
+    `extrapolate` above the largest measured R linearly on the slope of the two largest (never
+    falling: a cost that grows with R, like propose, is not assumed flat where nobody measured it)."""
 
-    def __init__(self, seconds: dict[int, float] | None, alpha: float) -> None:
-        self.alpha = alpha
+    def __init__(self, seconds: dict[int, float] | None, alpha: float, extrapolate: bool = False) -> None:
+        self.alpha, self.extrapolate = alpha, extrapolate
         self.by_r: dict[int, float] = {int(r): float(s) for r, s in (seconds or {}).items()}
 
     def observe(self, num_requests: int, seconds: float) -> None:
@@ -114,8 +116,14 @@ class _ByRequests:
         rs = sorted(self.by_r)
         lo = max((r for r in rs if r < num_requests), default=None)
         hi = min((r for r in rs if r > num_requests), default=None)
-        if lo is None or hi is None:
-            return self.by_r[rs[0] if lo is None else rs[-1]]  # beyond the measured range: nearest
+        if lo is None:
+            return self.by_r[rs[0]]
+        if hi is None:  # above the measured range
+            last = self.by_r[rs[-1]]
+            if not self.extrapolate or len(rs) < 2:
+                return last
+            slope = max(0.0, (last - self.by_r[rs[-2]]) / (rs[-1] - rs[-2]))
+            return last + slope * (num_requests - rs[-1])
         w = (num_requests - lo) / (hi - lo)
         return (1 - w) * self.by_r[lo] + w * self.by_r[hi]
 
@@ -134,7 +142,7 @@ class DraftCost:
         """learn=False: keep the given costs (a schedule that does not depend on timing, e.g. for
         bit-reproducible sampled runs: the engine's measurements are then ignored)."""
         self.learn = learn
-        self._draft = _ByRequests(seconds, alpha)
+        self._draft = _ByRequests(seconds, alpha, extrapolate=True)
         self._overhead = {drafted: _ByRequests(None, overhead_alpha) for drafted in (True, False)}
 
     def observe(self, num_requests: int, seconds: float) -> None:
