@@ -80,6 +80,10 @@ def rope_inv_freq_plain(head_dim: int, theta: float) -> torch.Tensor:
     return 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
 
 
+def apply_module(linear: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    return linear(x)
+
+
 class DraftLayer(nn.Module):
     """Pre-norm decoder layer whose attention also reads externally supplied context K/V."""
 
@@ -100,16 +104,12 @@ class DraftLayer(nn.Module):
         self.down_proj = nn.Linear(cfg.intermediate_size, d, bias=False)
 
     def kv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-           proj=None) -> tuple[torch.Tensor, torch.Tensor]:
+           proj=apply_module) -> tuple[torch.Tensor, torch.Tensor]:
         """x [B, T, d] -> k, v [B, T, Hkv, hd] (k normed and rotated). Used for ctx and block alike.
         proj(linear, x): how to apply a projection (default: the module itself)."""
         b, t, _ = x.shape
-        if proj is None:
-            k_x, v_x = self.k_proj(x), self.v_proj(x)
-        else:
-            k_x, v_x = proj(self.k_proj, x), proj(self.v_proj, x)
-        k = self.k_norm(k_x.view(b, t, self.n_kv, self.head_dim))
-        return apply_rope(k, cos, sin), v_x.view(b, t, self.n_kv, self.head_dim)
+        k = self.k_norm(proj(self.k_proj, x).view(b, t, self.n_kv, self.head_dim))
+        return apply_rope(k, cos, sin), proj(self.v_proj, x).view(b, t, self.n_kv, self.head_dim)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx_k: torch.Tensor,
                 ctx_v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -269,12 +269,16 @@ class DSparkDrafter(SlotDrafter):
         self.set_vocab(None)
 
     def pack_for_inference(self) -> DSparkDrafter:
-        """Serve every projection from weights laid out once for the device (`serving_linear`:
-        oneDNN-prepacked on the CPU, with bucketed row counts). On SmolLM2 the draft LM head alone
-        was 38 % of a batch-1 propose with F.linear. The model's weights must not change afterwards
-        (a loaded drafter; not one that is being trained)."""
-        self._packed = {lin: serving_linear(lin.weight.detach()) for lin in self.model.modules()
-                        if isinstance(lin, nn.Linear) and lin.bias is None}
+        """Serve the context and backbone projections (`_proj`), the draft LM head and the
+        sequential head's W2 rows (`set_vocab`) from weights laid out once for the device
+        (`serving_linear`: oneDNN-prepacked on the CPU, with bucketed row counts). On SmolLM2 the
+        draft LM head alone was 38 % of a batch-1 propose with F.linear. The model's weights must
+        not change afterwards (a loaded drafter; not one that is being trained)."""
+        m = self.model
+        linears = [m.fc] + [lin for layer in m.draft_layers for lin in (
+            layer.q_proj, layer.k_proj, layer.v_proj, layer.o_proj, layer.gate_proj, layer.up_proj,
+            layer.down_proj)]
+        self._packed = {lin: serving_linear(lin.weight.detach(), lin.bias) for lin in linears}
         self.set_vocab(self.vocab)
         return self
 
