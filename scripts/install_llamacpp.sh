@@ -12,4 +12,6 @@ export CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON 
   -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF -DGGML_OPENMP=ON -DLLAMA_CURL=OFF"
 export CMAKE_BUILD_PARALLEL_LEVEL="${CMAKE_BUILD_PARALLEL_LEVEL:-2}"
 "$VENV/bin/pip" install --no-binary llama-cpp-python --no-deps "llama-cpp-python==$VERSION"
+# its runtime dependencies (--no-deps above keeps pip from touching torch's numpy pin)
+"$VENV/bin/pip" install diskcache jinja2 typing-extensions
 "$VENV/bin/python" -c "import llama_cpp; print('llama-cpp-python', llama_cpp.__version__)"

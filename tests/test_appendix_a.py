@@ -30,7 +30,8 @@ def test_retrospective_decides_d1_from_its_own_confidence():
 
 
 def test_scheduler_policies_are_not_biased():
-    specs = ["threshold:0.7", "dspark-theory", "dspark", "dspark+cost:0.05", "dspark+cost:0.3"]
+    specs = ["threshold:0.7", "dspark-theory", "dspark", "dspark+cost:0.05", "dspark+cost:0.3",
+             "dspark+cost:0.05+rates", "dspark+cost:0.3+rates"]
     result = appendix_a.run(SAMPLES, seed=2, policies=specs)
     for spec in specs:
         assert abs(result["z_vs_target"][spec]) < 4, (spec, result["output_distribution"][spec])
@@ -39,6 +40,11 @@ def test_scheduler_policies_are_not_biased():
     # the drafting-cost rule, from past steps only: a cheap drafter keeps drafting, an expensive
     # one mostly runs plain steps (probing now and then); both leave the output unbiased
     assert ell["dspark+cost:0.05"] > 0.5 and 0.0 < ell["dspark+cost:0.3"] < 0.1  # probes back off
+    # ... and so does the rule corrected by what past steps delivered (their tokens fed back): here
+    # drafted steps deliver about plain's rate (the ℓ = 0 and ℓ = 1 steps lose what ℓ = 2 gains),
+    # so it learns to draft far less than the model alone would, probes aside
+    assert 0.0 < ell["dspark+cost:0.05+rates"] < 0.5 * ell["dspark+cost:0.05"]
+    assert 0.0 < ell["dspark+cost:0.3+rates"] < 0.1
 
 
 def test_cli_writes_json(tmp_path):

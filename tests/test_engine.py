@@ -429,6 +429,29 @@ def test_cost_rule_sees_the_whole_step(target, prompts, reference):
     assert 0 < engine.metrics.draft_steps <= engine.metrics.steps // 3
 
 
+class SlowPropose(Recording):
+    """n-gram drafter whose propose takes 30 ms."""
+
+    def propose(self, *args):
+        time.sleep(0.03)
+        return super().propose(*args)
+
+
+def test_measured_rates_count_each_step_in_its_mode(target, prompts, reference):
+    """The rates the cost rule trusts (`DraftCost.rates`) price a step whole and in its own mode: a
+    speculative step with the propose that made its drafts (run during the step before), a plain
+    step without the propose it ran for the step after; a plain step emits one token per request."""
+    engine = SpecEngine(target, SlowPropose(4), every_nth_step("dspark", 2))
+    assert engine.generate(prompts, MAX_TOKENS) == reference
+    check_clean(engine, target)
+    cells = engine.policy.draft_cost._rates
+    spec = {r: c for (r, s), c in cells.items() if s}
+    plain = {r: c for (r, s), c in cells.items() if not s}
+    assert spec and plain
+    assert all(c[2] >= 0.03 and c[1] >= r for r, c in spec.items())
+    assert all(c[2] < 0.03 and c[1] == pytest.approx(r) for r, c in plain.items())
+
+
 def test_deferred_extend_buffer():
     """DeferredExtend: rows come back flat by request, in step order, and only once; a dropped
     request's rows are gone; the buffer counts steps towards `full`."""
@@ -704,3 +727,22 @@ def test_whole_step_on_cuda(tiny_ckpt):
         torch.cuda.set_sync_debug_mode(0)
     assert blk.tokens.is_cuda and blk.conf_logits.is_cuda and q.is_cuda and res.tokens.is_cuda
     assert q.shape == (3, target.vocab_size)  # the sampled request's verified rows only
+
+
+def test_bench_closed_loop_generates_matched_lengths(target, prompts, reference):
+    """`dspark bench`'s closed loop: with one length per prompt every request generates exactly
+    that many tokens, whatever its stop tokens (so every policy does the same work), and greedy
+    speculative output is plain's; with one cap the target's eos ids stop requests as usual."""
+    from dspark.bench.e2e import run_closed_loop
+
+    lengths = [3 + 2 * i for i in range(len(prompts))]
+    engine = SpecEngine(target, NGramDrafter(gamma=4, n=3), "dspark", sps=SPS)
+    run = run_closed_loop(engine, prompts, 3, len(prompts), lengths, SamplingParams())
+    assert [len(o) for o in run["outputs"]] == lengths
+    assert run["outputs"] == [ref[:n] for ref, n in zip(reference, lengths)]
+    assert run["tokens"] == sum(lengths) and run["requests"] == len(prompts)
+    check_clean(engine, target)
+    eos = {i: tokens.index(target.eos_token_ids[0]) + 1 for i, tokens in enumerate(reference)
+           if target.eos_token_ids and target.eos_token_ids[0] in tokens}
+    capped = run_closed_loop(SpecEngine(target), prompts, 2, len(prompts), MAX_TOKENS, SamplingParams())
+    assert all(len(o) == eos.get(i, MAX_TOKENS) for i, o in enumerate(capped["outputs"]))

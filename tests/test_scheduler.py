@@ -213,16 +213,23 @@ def test_draft_or_skip_reads_only_step_t_minus_2():
     high = torch.full((num_requests, gamma), 0.9).cumprod(1)
     low = torch.full((num_requests, gamma), 0.05).cumprod(1)
 
-    def wants(t_minus_1, now) -> bool:
+    def wants(t_minus_1, now, correction: float | None = None) -> bool:
         policy = make_policy("dspark", sps=flat, gamma=gamma, draft_cost=DraftCost({num_requests: 0.005}))
+        for _ in range(DraftCost.RATE_MIN_STEPS if correction is not None else 0):  # past steps
+            policy.draft_cost.observe_prediction(num_requests, 1000.0)  # predicted 1000 tokens/s,
+            policy.observe_rate(num_requests, True, 20 * correction, 0.02)  # delivered 1000 x correction
+            policy.observe_rate(num_requests, False, num_requests, 0.01)
         policy.decide(t_minus_1, rem)
         policy.decide(now, rem)
         return policy.wants_draft(num_requests)
 
     assert wants(high, low) and not wants(low, high)
+    mid = torch.full((num_requests, gamma), 0.45).cumprod(1)  # the model: 1.2x plain's measured rate
     for _ in range(10):
         now = torch.rand(num_requests, gamma, generator=gen).cumprod(1)
         assert wants(high, now) and not wants(low, now)
+        # what past steps delivered corrects the model; still nothing of steps t or t+1 counts
+        assert wants(mid, now, correction=1.0) and not wants(mid, now, correction=0.5)
 
 
 def test_cost_rule_skips_drafting_only_when_it_is_slower_than_plain():
@@ -323,6 +330,59 @@ def test_cost_rule_counts_whole_step_overheads():
     cost.observe_overhead(4, True, 0.008)
     assert cost.overhead(3, True) == pytest.approx(0.006) and cost.overhead(3, False) == 0.0
     assert cost.overheads() == {"drafted": {2: 0.004, 4: 0.008}, "plain": {}}
+
+
+def test_cost_rule_corrects_its_model_with_what_steps_delivered():
+    """Steps report what they delivered (`observe_rate`). On a flat 10 ms verify with a 2 ms drafter
+    the model predicts 1.14x plain's rate at survivals 0.27^j and 0.98x at 0.15^j; where steps
+    deliver 0.75x (resp. 1.25x) of the prediction, the rule learns to decode plain but for its
+    probes (resp. to draft). The correction is clipped to CORRECTION_RANGE and scales the model,
+    which still follows the survivals; frozen costs ignore it."""
+    flat = SPSTable([1, 1024], [100.0, 99.0])
+    r, gamma = 4, 7
+    rem = torch.full((r,), 1000)
+    powers = lambda p: torch.full((r, gamma), p).cumprod(1)  # noqa: E731
+    spec_s, plain_s = 0.002 + 1 / flat(r + 1), 1 / flat(r)
+
+    def simulate(p: float, delivered: float, steps: int = 64, learn: bool = True, policy=None):
+        """Steps at survivals p^j: plain ones emit R tokens, speculative ones `delivered` x the
+        model's prediction."""
+        policy = policy or make_policy("dspark", sps=flat, gamma=gamma,
+                                       draft_cost=DraftCost({r: 0.002}, learn=learn))
+        for _ in range(2):  # two past steps: the model has a survival curve from the first step on
+            policy.decide(powers(p), rem)
+        decisions = []
+        for _ in range(steps):
+            policy.decide(powers(p), rem)
+            drafted = policy.wants_draft(r)
+            tokens = delivered * policy.last_rates[0] * spec_s if drafted else r
+            policy.observe_rate(r, drafted, tokens, spec_s if drafted else plain_s)
+            decisions.append(drafted)
+        return decisions[steps // 2:], policy
+
+    late, policy = simulate(0.27, 1.0)
+    assert all(late) and policy.last_rates[0] / policy.last_rates[2] == pytest.approx(1.14, abs=0.01)
+    late, policy = simulate(0.27, 0.75)  # the model says pay, speculative steps deliver less
+    assert sum(late) <= 2  # plain, but for the probes
+    assert policy.draft_cost.speculative_correction(r) == DraftCost.CORRECTION_RANGE[0]
+    assert policy.draft_cost.plain_rate(r) == pytest.approx(r / plain_s)
+    assert all(simulate(0.27, 0.75, learn=False)[0])  # frozen costs: timing never changes the schedule
+    assert sum(simulate(0.15, 1.0)[0]) <= 2  # the model alone: these survivals do not pay
+    assert sum(simulate(0.15, 1.25, steps=400)[0]) >= 150  # ... but its probes deliver more
+    # the model still follows the survivals: survivals of 1 pay at once (2645 tokens/s predicted,
+    # 0.8x that after the correction, against 396 plain), 0.27^j again do not
+    for _ in range(16):  # the average survival curve moves to the new survivals; nothing measured
+        policy.decide(torch.ones(r, gamma), rem)
+    assert policy.wants_draft(r)
+    for _ in range(16):
+        policy.decide(powers(0.27), rem)
+    assert not policy.wants_draft(r)
+    # the measured rates: a plain mean over the first 1/α steps (the first weighs no more than the
+    # others), then a moving average; tokens and seconds averaged apart
+    cost = DraftCost()
+    for tokens, seconds in ((6, 0.02), (2, 0.02), (4, 0.05)):
+        cost.observe_rate(2, True, tokens, seconds)
+    assert cost.measured_rates() == {"speculative": {2: pytest.approx(4 / 0.03)}, "plain": {}}
 
 
 def test_warm_from_carries_the_learned_state_not_the_batch():

@@ -23,6 +23,9 @@ if [ ! -f build/smollm2/work/drafter_data/meta.json ]; then
   run $DSPARK train --make-data --model smollm2 --n-per-domain 600 --max-new 256 --max-prompt 448 \
     --gen-batch 96 --chunk 300 --t1-share 0.3 --greedy-share 0.15 --threads "$THREADS"
 fi
+# the draft vocabulary every DSpark drafter of the model reads at load (its LM head's rows)
+[ -f build/smollm2/drafters/draft_vocab.json ] || \
+  run $DSPARK draft-vocab --model smollm2 --data build/smollm2/work/drafter_data --size 4096
 ARCH="--block-size 15 --gamma 7 --layers 1 --intermediate 1536 --head-rank 64 --norm-init-scale 0.25"
 BUDGET="--steps $STEPS --batch 8 --anchors 8 --lr 3e-3 --warmup 20 --threads $THREADS"
 if [ "${GPU:-0}" = 1 ]; then

@@ -107,7 +107,7 @@ def measure(target, drafter, num_requests: int, context: int, vocabs: list[int],
 def add_arguments(p: argparse.ArgumentParser) -> None:
     wiring.add_arguments(p, capacity=32, max_seq_len=512)
     p.add_argument("--requests", default="1,32", help="R values to measure")
-    p.add_argument("--vocab", default="0,16384", help="draft vocabulary sizes (0 = all tokens)")
+    p.add_argument("--vocab", default="0,4096", help="draft vocabulary sizes (0 = all tokens)")
     p.add_argument("--context", type=int, default=256, help="cached tokens per request")
     p.add_argument("--random", action="store_true", help="a random drafter of the shipped shape")
     p.add_argument("--rounds", type=int, default=3)

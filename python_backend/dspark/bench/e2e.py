@@ -66,10 +66,12 @@ def load_prompts(model_key: str | None, domains: list[str], n: int, tokenizer) -
 
 # ---------------------------------------------------------------- our engine
 
-def run_closed_loop(engine, prompts: list[list[int]], concurrency: int, num_requests: int, max_tokens: int,
-                    params: SamplingParams) -> dict:
+def run_closed_loop(engine, prompts: list[list[int]], concurrency: int, num_requests: int,
+                    max_tokens: int | list[int], params: SamplingParams) -> dict:
     """`num_requests` requests (prompts in turn), `concurrency` in flight at all times (a new one
-    joins when one finishes). Aggregate = tokens / wall; per-user = mean of tokens / latency."""
+    joins when one finishes). Aggregate = tokens / wall; per-user = mean of tokens / latency.
+    max_tokens: one cap for all, stopping at eos; or one length per prompt, generated exactly
+    (no stop tokens): every policy then does the same work."""
     engine.generate([prompts[0]], 4, params)  # warm-up (allocator, numba), not timed
     engine.reset_metrics()
     t0 = time.perf_counter()
@@ -78,7 +80,11 @@ def run_closed_loop(engine, prompts: list[list[int]], concurrency: int, num_requ
     reqs = []
 
     def submit() -> None:
-        req = engine.add_request(prompts[len(reqs) % len(prompts)], max_tokens, params)
+        i = len(reqs) % len(prompts)
+        if isinstance(max_tokens, list):
+            req = engine.add_request(prompts[i], max_tokens[i], params, stop_token_ids=[])
+        else:
+            req = engine.add_request(prompts[i], max_tokens, params)
         start[req.request_id] = time.perf_counter()
         reqs.append(req)
 
@@ -108,6 +114,9 @@ def run_closed_loop(engine, prompts: list[list[int]], concurrency: int, num_requ
             "step_overhead_ms_by_requests": {
                 kind: {str(r): 1e3 * s for r, s in by_r.items()} for kind, by_r in (
                     engine.policy.draft_cost.overheads().items() if engine.policy is not None else [])},
+            "measured_tokens_per_s_by_requests": {
+                kind: {str(r): v for r, v in by_r.items()} for kind, by_r in (
+                    engine.policy.draft_cost.measured_rates().items() if engine.policy is not None else [])},
             "outputs": [r.output for r in reqs]}
 
 
@@ -309,11 +318,19 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--n-prompts", type=int, default=2, help="prompts per domain")
     p.add_argument("--max-tokens", type=int, default=128, help="new tokens per request")
     p.add_argument("--concurrency", default="1,2,4,8,16,32", help="closed-loop concurrencies")
+    p.add_argument("--waves", type=int, default=3,
+                   help="requests per slot in a closed-loop run (c x waves requests, at least one per "
+                        "prompt): with one wave a run is one batch, and its wall time is its slowest "
+                        "request's")
     p.add_argument("--repeats", type=int, default=3,
                    help="runs per batch-1 / concurrency cell (policy order rotated); median reported")
     p.add_argument("--no-hf", action="store_true", help="skip the transformers baselines")
     p.add_argument("--no-llamacpp", action="store_true", help="skip the llama.cpp baselines")
     p.add_argument("--no-t1", action="store_true", help="skip the T = 1 runs")
+    p.add_argument("--stop-at-eos", action="store_true",
+                   help="greedy requests stop at eos (default: each generates exactly as many tokens as "
+                        "plain decoding does for its prompt, so every policy does the same work; in "
+                        "bf16 a near-tie can make a speculative run stop elsewhere)")
     p.add_argument("--out", default=None, help="default: results/bench_e2e_<model>.json")
 
 
@@ -362,6 +379,12 @@ def main(args: argparse.Namespace) -> int:
         return eng
 
     greedy, t1 = SamplingParams(), SamplingParams(temperature=1.0, seed=0)
+    # greedy cells: each prompt's length as plain decoding stops it at eos (an untimed pass), then
+    # generated exactly by every policy (T = 1 cells stop at eos: their lengths are random anyway)
+    matched: int | list[int] = args.max_tokens
+    if not args.stop_at_eos:
+        plain_engine = wiring.build_engine(replace(spec, policy="plain"), target=target, drafter=None)
+        matched = [len(o) for o in plain_engine.generate(prompts, args.max_tokens, greedy)]
     n_b1 = len(prompts)
     cells = [[("batch1_dspark", "dspark", 1, greedy), ("batch1_plain", "plain", 1, greedy)]]
     if not args.no_t1:
@@ -374,7 +397,8 @@ def main(args: argparse.Namespace) -> int:
     tries: dict[str, list[dict]] = {}
     for name, policy, c, params in tqdm(jobs, desc="dspark bench", unit="run"):
         tries.setdefault(name, []).append(
-            run_closed_loop(engine(policy, params), prompts, c, max(c, n_b1), args.max_tokens, params))
+            run_closed_loop(engine(policy, params), prompts, c, max(c * args.waves, n_b1),
+                            matched if params.greedy else args.max_tokens, params))
     runs: dict[str, dict] = {}
     for name, rs in tries.items():
         runs[name] = sorted(rs, key=lambda r: r["aggregate"])[len(rs) // 2]
@@ -421,7 +445,9 @@ def main(args: argparse.Namespace) -> int:
                    "drafter": spec.drafter, "gamma": spec.gamma, "sps": sps_source,
                    "sps_table": sps_table.to_dict(),
                    "prompts": prompt_source, "domains": args.domains, "num_prompts": n_b1,
-                   "max_tokens": args.max_tokens, "repeats": args.repeats, "device": str(target.device),
+                   "max_tokens": args.max_tokens, "repeats": args.repeats, "waves": args.waves,
+                   "device": str(target.device),
+                   "greedy_lengths": "stop at eos" if args.stop_at_eos else matched,
                    "threads": torch.get_num_threads(),
                    "torch": torch.__version__, "load_avg_1min": _load_avg()},
     }

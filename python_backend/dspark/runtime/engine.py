@@ -161,6 +161,7 @@ class SpecEngine:
         self._active: dict[str, Request] = {}  # touched by the stepping thread only
         self._ids = itertools.count()
         self._next: _Drafts | None = None  # drafts proposed at the end of the last step
+        self._next_s = 0.0  # seconds the last step spent proposing them (counted with this step)
         self._draft_next: bool | None = None  # the policy's draft/skip choice for the next step
         self._deferred = DeferredExtend()  # x0 rows of skipped steps, not yet in the drafter's context
         self._logged_failures: set[str] = set()  # drafter calls whose first failure was logged
@@ -218,7 +219,7 @@ class SpecEngine:
         if reqs:
             self._decode(reqs, clock)
         else:
-            self._next = None
+            self._next, self._next_s = None, 0.0
         for req in list(self._active.values()):
             if req.finished:
                 self._release(req)
@@ -260,13 +261,15 @@ class SpecEngine:
         clock["accept"] += time.perf_counter() - t
 
         t = time.perf_counter()  # the drafter keeps up (also at ℓ = 0), then drafts the next step
-        nxt = None
+        nxt, next_s = None, 0.0
         if self.policy is not None:
             self._draft_next = self._parts()[1].wants_draft(len(reqs))
             # nothing verified now and no drafts next step: the x0 rows wait for the next draft
             defer = not self._draft_next and not bool(ells.any())
             self._extend(reqs, batch, taps, res.num_accepted + 1, defer)
+            t_next = time.perf_counter()
             nxt = self._propose_next(reqs, res, keys, counters + 1, remaining - ells - 1)
+            next_s = time.perf_counter() - t_next if nxt is not None else 0.0
         clock["draft"] += time.perf_counter() - t
 
         t = time.perf_counter()
@@ -291,9 +294,16 @@ class SpecEngine:
         m.last_budget = sum(ell)
         m.verify_budget += sum(ell)
         clock["accept"] += time.perf_counter() - t
-        if self.policy is not None:  # the whole step, for the cost rule's step overheads
-            self.policy.observe_step(R, batch.num_tokens, self._step_drafter_calls > 0,
-                                     time.perf_counter() - t_step, self._step_drafter_s)
+        if self.policy is not None:  # the whole step, for the cost rule's step overheads and rates
+            seconds = time.perf_counter() - t_step
+            self.policy.observe_step(R, batch.num_tokens, self._step_drafter_calls > 0, seconds,
+                                     self._step_drafter_s)
+            # the step as its mode costs: with the propose that made its drafts (last step), not
+            # the one it ran for the next step
+            speculative = survival is not None
+            self.policy.observe_rate(R, speculative, sum(n_acc) + R,
+                                     seconds - next_s + (self._next_s if speculative else 0.0))
+        self._next_s = next_s
 
     def _flat_batch(self, reqs: list[Request], anchors: torch.Tensor, drafts: torch.Tensor | None,
                     ells: torch.Tensor) -> RaggedBatch:
@@ -339,7 +349,7 @@ class SpecEngine:
                 r.on_tokens(r.request_id, [], True, reason)
         for r in list(self._active.values()):
             self._release(r)
-        self._next = None
+        self._next, self._next_s = None, 0.0
 
     def generate(self, prompts: list[list[int]], max_tokens: int,
                  params: SamplingParams | list[SamplingParams] | None = None,

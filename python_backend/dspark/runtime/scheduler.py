@@ -146,6 +146,13 @@ class Policy:
         self.draft_cost.observe_overhead(num_requests, drafted,
                                          seconds - propose_seconds - 1.0 / self._sps_by_b[batch_tokens])
 
+    def observe_rate(self, num_requests: int, speculative: bool, tokens: int, seconds: float) -> None:
+        """The engine reports what a whole step delivered: `tokens` emitted by R requests in
+        `seconds`, speculative (it verified drafts; propose counted) or plain (the cost rule's
+        measured side: `DraftCost.plain_rate`, `DraftCost.speculative_correction`)."""
+        if self.counts_drafting:
+            self.draft_cost.observe_rate(num_requests, speculative, tokens, seconds)
+
     def step_rate(self, num_requests: int) -> np.ndarray | None:
         """Steps/second by token batch B for a drafted step of R requests: 1 / (t_draft(R) +
         overhead(R) + 1/SPS(B)) when this policy counts drafting and a cost is known, else the SPS."""
@@ -286,6 +293,8 @@ class DSpark(Policy):
             self.name = "dspark:delayed"
 
     walk_tol = 0.01  # the snapshot's walk within 1 % of its argmax Θ: follow the walk alone
+    # the cost rule's last comparison, tokens/s: (model's speculative, corrected, plain)
+    last_rates: tuple[float, float, float] = (0.0, 0.0, 0.0)
 
     def wants_draft(self, num_requests: int) -> bool:
         """The drafting-cost rule (architecture §7): skip drafting the coming step when, on the
@@ -299,13 +308,16 @@ class DSpark(Policy):
         `probe_every` skipped steps, then twice as many after each probe that did not pay (up
         to `probe_max`), back to `probe_every` as soon as speculation pays; counted per class of
         R (`probe_state`). Under load that never pays, probes then cost < 1 % of the steps
-        instead of 6 %."""
+        instead of 6 %.
+        What steps delivered corrects the model once enough have run at this R (`DraftCost`): the
+        plain side becomes the measured plain rate, and the speculative side is scaled by the
+        ratio of measured to predicted speculative rates. The model prices a ragged step of R
+        sequences with a one-sequence SPS table and per-R average overheads, which errs by a
+        few per cent where speculation barely pays and by more in a burst's tail of a few hard
+        requests; the correction keeps the model's response to the survivals (a new prompt's
+        confidence shows within a few steps) but not its bias. Past steps only: lossless."""
         t_draft = self.draft_cost(num_requests)
         if not t_draft or self._profile is None or self._sps_by_b is None or num_requests < 1:
-            return True
-        probe = self.probe_state(num_requests)
-        if probe[0] >= probe[1]:
-            probe[0], probe[1] = 0, min(2 * probe[1], self.probe_max)
             return True
         room = min(self.max_batch_tokens - num_requests, num_requests * self.gamma)
         if room < 1:
@@ -317,14 +329,24 @@ class DSpark(Policy):
         drafted = self.step_rate(num_requests)  # drafted steps/s by B, drafting and overheads counted
         assert drafted is not None  # the SPS table and t_draft are known here
         rate = drafted[num_requests + 1:num_requests + room + 1]
-        speculative = float(np.max((num_requests + gains) * rate))
-        plain_step = 1.0 / float(self._sps_by_b[num_requests]) + self.draft_cost.overhead(num_requests, False)
-        plain = num_requests / max(plain_step, MIN_STEP_S)
-        if speculative > plain:
+        predicted = float(np.max((num_requests + gains) * rate))
+        plain = self.draft_cost.plain_rate(num_requests)  # measured, else the model's
+        if plain is None:
+            plain_s = 1.0 / float(self._sps_by_b[num_requests])
+            plain = num_requests / max(plain_s + self.draft_cost.overhead(num_requests, False), MIN_STEP_S)
+        correction = self.draft_cost.speculative_correction(num_requests)
+        corrected = predicted * (1.0 if correction is None else correction)
+        self.last_rates = (predicted, corrected, plain)
+        probe = self.probe_state(num_requests)
+        if corrected > plain:
             probe[0], probe[1] = 0, self.probe_every
-            return True
-        probe[0] += 1
-        return False
+        elif probe[0] >= probe[1]:
+            probe[0], probe[1] = 0, min(2 * probe[1], self.probe_max)
+        else:
+            probe[0] += 1
+            return False
+        self.draft_cost.observe_prediction(num_requests, predicted)  # a speculative step follows
+        return True
 
     def _budget(self, a, cap, room):
         num_requests = a.shape[1]

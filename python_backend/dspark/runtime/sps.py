@@ -135,7 +135,19 @@ class DraftCost:
     - `overhead(R, drafted)`: the rest of a whole step's wall time, measured minus propose minus
       1/SPS(B): acceptance, the drafter's extend, host work and, behind Triton, the hops to the
       `target` and `drafter` models. Kept apart for steps that call the drafter and for plain
-      steps, so the rule compares whole drafted steps with whole plain steps."""
+      steps, so the rule compares whole drafted steps with whole plain steps;
+    - what steps delivered (`observe_rate`: tokens and wall time of whole steps, per R and mode):
+      `plain_rate(R)`, the measured plain tokens/second, and `speculative_correction(R)`, the
+      ratio of the measured speculative rate to what the rule's model predicted for those
+      steps (`observe_prediction`), each once it has `RATE_MIN_STEPS` steps at R."""
+
+    RATE_ALPHA = 0.2  # weight of the newest step in the measured rates (~ the last 10 steps)
+    RATE_MIN_STEPS = 4  # steps at R before a measured rate or correction is used
+    # the correction is clipped: it removes the model's bias (a few per cent, up to ~1.5x in a
+    # burst's tail), not its response to the survivals. Unclipped, a few hard prompts at R = 1
+    # (confident drafts, rejected) drive it so low that the rule stops drafting on the easy ones
+    # that follow, whose survivals it no longer sees but at probes.
+    CORRECTION_RANGE = (0.8, 1.25)
 
     def __init__(self, seconds: dict[int, float] | None = None, alpha: float = 0.2,
                  learn: bool = True, overhead_alpha: float = 0.1) -> None:
@@ -144,6 +156,9 @@ class DraftCost:
         self.learn = learn
         self._draft = _ByRequests(seconds, alpha, extrapolate=True)
         self._overhead = {drafted: _ByRequests(None, overhead_alpha) for drafted in (True, False)}
+        # (R, speculative) -> [steps seen, EMA of tokens per step, EMA of seconds per step]
+        self._rates: dict[tuple[int, bool], list[float]] = {}
+        self._predicted: dict[int, list[float]] = {}  # R -> [predictions, EMA of the predicted rate]
 
     def observe(self, num_requests: int, seconds: float) -> None:
         if self.learn:
@@ -161,8 +176,51 @@ class DraftCost:
         """Seconds a step of R requests takes beyond propose and the SPS table (0 until measured)."""
         return self._overhead[drafted](num_requests) or 0.0
 
+    def observe_rate(self, num_requests: int, speculative: bool, tokens: int, seconds: float) -> None:
+        """A step of R requests emitted `tokens` in `seconds`, counted whole: a speculative step
+        (it verified drafts) with the propose that made them, a plain one without the propose
+        it may have run for the step after."""
+        if not self.learn or seconds <= 0:
+            return
+        cell = self._rates.setdefault((num_requests, speculative), [0, 0.0, 0.0])
+        cell[0] += 1
+        w = max(self.RATE_ALPHA, 1.0 / cell[0])  # the plain mean until 1/α steps: no weight on the first
+        cell[1] += w * (tokens - cell[1])  # a ratio of averages, not an average of ratios:
+        cell[2] += w * (seconds - cell[2])  # one lucky step weighs its share
+
+    def observe_prediction(self, num_requests: int, rate: float) -> None:
+        """The rule's model predicted `rate` tokens/second for a speculative step of R requests."""
+        if not self.learn:
+            return
+        cell = self._predicted.setdefault(num_requests, [0, 0.0])
+        cell[0] += 1
+        cell[1] += max(self.RATE_ALPHA, 1.0 / cell[0]) * (rate - cell[1])
+
+    def _measured(self, num_requests: int, speculative: bool) -> float | None:
+        cell = self._rates.get((num_requests, speculative))
+        return None if cell is None or cell[0] < self.RATE_MIN_STEPS else cell[1] / cell[2]
+
+    def plain_rate(self, num_requests: int) -> float | None:
+        """Tokens/second plain steps of exactly R requests delivered (None: too few measured)."""
+        return self._measured(num_requests, False)
+
+    def speculative_correction(self, num_requests: int) -> float | None:
+        """Measured ÷ predicted speculative rate at exactly R, within CORRECTION_RANGE (None: too
+        few of either)."""
+        measured, predicted = self._measured(num_requests, True), self._predicted.get(num_requests)
+        if measured is None or predicted is None or predicted[0] < self.RATE_MIN_STEPS or predicted[1] <= 0:
+            return None
+        lo, hi = self.CORRECTION_RANGE
+        return min(max(measured / predicted[1], lo), hi)
+
     def to_dict(self) -> dict[int, float]:
         return dict(sorted(self._draft.by_r.items()))
+
+    def measured_rates(self) -> dict[str, dict[int, float]]:
+        """{"speculative": {R: tokens/s}, "plain": {R: tokens/s}} (for reports)."""
+        cells = sorted(self._rates.items())
+        return {kind: {r: cell[1] / cell[2] for (r, spec), cell in cells if spec == want}
+                for kind, want in (("speculative", True), ("plain", False))}
 
     def overheads(self) -> dict[str, dict[int, float]]:
         """{"drafted": {R: s}, "plain": {R: s}}: the measured step overheads (for reports)."""

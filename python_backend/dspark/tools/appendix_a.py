@@ -22,6 +22,12 @@ t−2 only (their average curve: a_1 = 0.8, a_2 ≈ 0.6), whether drafting pays 
 Θ(2) = (1 + 0.8 + 0.6) / (0.05 + 1/0.45) ≈ 1.06 > 1 = plain, so it drafts; for X = 0.3 it is
 0.95 < 1 and it runs plain steps, drafting every 16th step to keep the average fresh. Whether a
 step drafts depends on old tokens only, so the output stays (0.7, 0.3) either way.
+"dspark+cost:X+rates" also reports each step's outcome back to the rule (`Policy.observe_rate`:
+tokens emitted, and X + 1/SPS(1 + ℓ) seconds drafted or 1/SPS(1) plain), whose measured rates
+then replace its model (architecture §7): the steps run one at a time, each verified before the
+next decides, so the rule reads what past steps' tokens were, never the current step's. Here the
+drafted steps deliver about plain's rate (ℓ = 2 gains what ℓ = 0 and 1 lose), so it learns to
+draft far less than the model alone; the output stays (0.7, 0.3).
 """
 
 from __future__ import annotations
@@ -43,7 +49,8 @@ GAMMA = 2
 CONF_FIRST = 0.8
 CONF_AFTER = (1.0, 0.5)
 BUILTIN = ("retrospective", "none", "fixed:1", "fixed:2")
-SCHEDULER = ("mtp1", "threshold:0.7", "dspark-theory", "dspark", "dspark+cost:0.05", "dspark+cost:0.3")
+SCHEDULER = ("mtp1", "threshold:0.7", "dspark-theory", "dspark", "dspark+cost:0.05", "dspark+cost:0.3",
+             "dspark+cost:0.05+rates", "dspark+cost:0.3+rates")
 
 
 def draft(num: int, g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
@@ -64,6 +71,36 @@ def retrospective_lengths(survival: torch.Tensor) -> torch.Tensor:
     return ((1 + gains) * sps).argmax(1)
 
 
+def make_scheduler_policy(spec: str):
+    """A dspark.runtime.scheduler policy for a spec ("dspark+cost:X[+rates]": drafting costs X s)."""
+    from dspark.runtime.scheduler import make_policy
+    from dspark.runtime.sps import DraftCost, SPSTable
+
+    sps = SPSTable(list(SPS_TABLE), list(SPS_TABLE.values()), device="appendix-a", model="appendix-a")
+    name, _, cost = spec.removesuffix("+rates").partition("+cost:")
+    return make_policy(name, sps=sps, gamma=GAMMA, max_batch_tokens=1 + GAMMA,
+                       draft_cost=DraftCost({1: float(cost)}) if cost else None)
+
+
+def run_with_rates(spec: str, tokens: torch.Tensor, survival: torch.Tensor,
+                   g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """"dspark+cost:X+rates": one step at a time, verified before the next decides, its emitted
+    tokens and modelled time reported to the rule. -> (ℓ [num], first emitted tokens [num])."""
+    policy = make_scheduler_policy(spec)
+    x = float(spec.removesuffix("+rates").partition("+cost:")[2])
+    remaining = torch.tensor([1 << 20])
+    lengths = torch.zeros(tokens.shape[0], dtype=torch.int64)
+    first = torch.zeros_like(lengths)
+    for i in range(tokens.shape[0]):
+        drafted = policy.wants_draft(1)
+        ell = policy.decide(survival[i : i + 1], remaining) if drafted else torch.zeros(1, dtype=torch.int64)
+        out = verify_step(tokens[i : i + 1], ell, g)
+        lengths[i], first[i] = ell[0], out.tokens[0, 0]
+        seconds = x + 1.0 / SPS_TABLE[1 + int(ell[0])] if drafted else 1.0 / SPS_TABLE[1]
+        policy.observe_rate(1, drafted, int(out.num_accepted[0]) + 1, seconds)
+    return lengths, first
+
+
 def policy_lengths(spec: str, survival: torch.Tensor) -> torch.Tensor:
     """ℓ per step for a built-in spec or a dspark.runtime.scheduler policy (one request per step, run
     in order so history-based policies see steps t−1, t−2 as in serving)."""
@@ -74,13 +111,7 @@ def policy_lengths(spec: str, survival: torch.Tensor) -> torch.Tensor:
         return torch.zeros(num, dtype=torch.int64)
     if spec.startswith("fixed:"):
         return torch.full((num,), min(int(spec.split(":")[1]), GAMMA), dtype=torch.int64)
-    from dspark.runtime.scheduler import make_policy
-    from dspark.runtime.sps import DraftCost, SPSTable
-
-    sps = SPSTable(list(SPS_TABLE), list(SPS_TABLE.values()), device="appendix-a", model="appendix-a")
-    name, _, cost = spec.partition("+cost:")
-    policy = make_policy(name, sps=sps, gamma=GAMMA, max_batch_tokens=1 + GAMMA,
-                         draft_cost=DraftCost({1: float(cost)}) if cost else None)
+    policy = make_scheduler_policy(spec)
     remaining = torch.tensor([1 << 20])
     skip = torch.zeros(1, dtype=torch.int64)  # a plain step: the cost rule said drafting does not pay
     return torch.cat([policy.decide(survival[i : i + 1], remaining) if policy.wants_draft(1) else skip
@@ -89,6 +120,11 @@ def policy_lengths(spec: str, survival: torch.Tensor) -> torch.Tensor:
 
 def first_tokens(tokens: torch.Tensor, lengths: torch.Tensor, g: torch.Generator) -> torch.Tensor:
     """Verify every step (one ragged call, docs/architecture.md §6) and return the first emitted token."""
+    return verify_step(tokens, lengths, g).tokens[:, 0]
+
+
+def verify_step(tokens: torch.Tensor, lengths: torch.Tensor, g: torch.Generator):
+    """verify_ragged on independent single-request steps -> its VerifyResult."""
     num = tokens.shape[0]
     cu = torch.zeros(num + 1, dtype=torch.int64)
     cu[1:] = (lengths + 1).cumsum(0)
@@ -96,8 +132,7 @@ def first_tokens(tokens: torch.Tensor, lengths: torch.Tensor, g: torch.Generator
     draft_probs = torch.tensor(P_DRAFT).expand(int(lengths.sum()), 2)  # flat: one row per verified draft
     uniforms = torch.rand(num, GAMMA + 1, generator=g)
     sampling = SamplingBatch.from_params([SamplingParams(temperature=1.0)] * num)
-    out = verify_ragged(logits, tokens, lengths, cu, sampling, draft_probs, uniforms)
-    return out.tokens[:, 0]
+    return verify_ragged(logits, tokens, lengths, cu, sampling, draft_probs, uniforms)
 
 
 def run(samples: int, seed: int, policies: list[str]) -> dict:
@@ -109,8 +144,11 @@ def run(samples: int, seed: int, policies: list[str]) -> dict:
                         "conf_first": CONF_FIRST, "conf_after_token": CONF_AFTER},
               "output_distribution": {}, "ci95": {}, "mean_verify_len": {}, "z_vs_target": {}}
     for spec in policies:
-        lengths = policy_lengths(spec, survival)
-        first = first_tokens(tokens, lengths, g)
+        if spec.endswith("+rates"):
+            lengths, first = run_with_rates(spec, tokens, survival, g)
+        else:
+            lengths = policy_lengths(spec, survival)
+            first = first_tokens(tokens, lengths, g)
         p_a = float((first == 0).float().mean())
         half = 1.96 * math.sqrt(max(p_a * (1 - p_a), 1e-12) / samples)
         result["output_distribution"][spec] = [p_a, 1 - p_a]

@@ -77,7 +77,7 @@ def write_vocab(folder: Path, ids: torch.Tensor, counts: torch.Tensor, source: s
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="smollm2", help="smollm2 | demo | a model folder")
-    p.add_argument("--size", type=int, default=16384, help="K: tokens in the draft vocabulary")
+    p.add_argument("--size", type=int, default=4096, help="K: tokens in the draft vocabulary")
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--data", help="a drafter training-data folder (shard_*.pt): count the responses")
     src.add_argument("--texts", help="a JSONL file of texts to count")
