@@ -24,7 +24,7 @@ t−2 only (their average curve: a_1 = 0.8, a_2 ≈ 0.6), whether drafting pays 
 step drafts depends on old tokens only, so the output stays (0.7, 0.3) either way.
 "dspark+cost:X+rates" also reports each step's outcome back to the rule (`Policy.observe_rate`:
 tokens emitted, and X + 1/SPS(1 + ℓ) seconds drafted or 1/SPS(1) plain), whose measured rates
-then replace its model (architecture §7): the steps run one at a time, each verified before the
+then correct its model (architecture §7): the steps run one at a time, each verified before the
 next decides, so the rule reads what past steps' tokens were, never the current step's. Here the
 drafted steps deliver about plain's rate (ℓ = 2 gains what ℓ = 0 and 1 lose), so it learns to
 draft far less than the model alone; the output stays (0.7, 0.3).
@@ -87,7 +87,7 @@ def run_with_rates(spec: str, tokens: torch.Tensor, survival: torch.Tensor,
     """"dspark+cost:X+rates": one step at a time, verified before the next decides, its emitted
     tokens and modelled time reported to the rule. -> (ℓ [num], first emitted tokens [num])."""
     policy = make_scheduler_policy(spec)
-    x = float(spec.removesuffix("+rates").partition("+cost:")[2])
+    x = policy.draft_cost(1)  # the spec's drafting cost (the harness never reports a propose)
     remaining = torch.tensor([1 << 20])
     lengths = torch.zeros(tokens.shape[0], dtype=torch.int64)
     first = torch.zeros_like(lengths)
