@@ -4,8 +4,10 @@ For R requests on a cached context: the target's verify of one token per request
 decoding step) and of 1 + γ tokens per request, against the DSpark drafter's propose (greedy and
 sampled, full vocabulary and a draft vocabulary of K tokens) and its extend. Every quantity is
 measured in interleaved rounds in one process and the fastest round is kept (on a shared machine
-other processes only add time). The drafter is the model's trained one, or with `--random` (or
-when none ships) a randomly initialised drafter of the shipped shape, which costs the same.
+other processes only add time). The drafter is the model's trained one (`--drafter`: any
+trained kind; the draft-vocabulary sweep and extend are measured for DSpark drafters), or with
+`--random` (or when none ships) a randomly initialised DSpark-Markov of the shipped shape, which
+costs the same.
 Writes results/drafter_step_<model>.json.
 """
 
@@ -22,10 +24,11 @@ from tqdm import tqdm
 
 from dspark import paths, wiring
 from dspark.runtime.batch import RaggedBatch
+from dspark.runtime.drafter.ngram import NGramDrafter
 from dspark.runtime.sampling import SamplingParams
 
 
-def random_drafter(target, gamma: int, layers: int = 1, intermediate: int = 512, rank: int = 64):
+def random_drafter(target, gamma: int, layers: int = 1, intermediate: int = 1536, rank: int = 64):
     """A DSpark-Markov drafter of the shipped SmolLM2 shape with random weights (same cost)."""
     from dspark.runtime.drafter.dspark_drafter import DSparkConfig, DSparkDrafter, DSparkModel, shared_weights
 
@@ -80,8 +83,9 @@ def measure(target, drafter, num_requests: int, context: int, vocabs: list[int],
             for s in slots:
                 drafter.kv.bound[s] -= n
 
-        cases = {"verify_1_token_ms": verify(1), f"verify_{1 + gamma}_tokens_ms": verify(1 + gamma),
-                 "extend_ms": extend}
+        cases = {"verify_1_token_ms": verify(1), f"verify_{1 + gamma}_tokens_ms": verify(1 + gamma)}
+        if hasattr(drafter, "kv"):  # a DSpark drafter: its context extend can be rewound
+            cases["extend_ms"] = extend
         propose = {"greedy": lambda: drafter.propose(slots, anchors, greedy, u),
                    "sampled": lambda: drafter.propose(slots, anchors, sampled, u)}
         for k in vocabs:
@@ -91,7 +95,8 @@ def measure(target, drafter, num_requests: int, context: int, vocabs: list[int],
         for _ in range(rounds):  # interleaved: every case sees the same machine state
             for name, case in cases.items():
                 if isinstance(case, tuple):
-                    drafter.set_vocab(None if not case[0] else torch.arange(case[0]))
+                    if hasattr(drafter, "set_vocab"):
+                        drafter.set_vocab(None if not case[0] else torch.arange(case[0]))
                     case = case[1]
                 best[name] = min(best.get(name, float("inf")), fastest(case, repeats))
         step = best["verify_1_token_ms"]
@@ -121,10 +126,13 @@ def main(args: argparse.Namespace) -> int:
     spec = replace(spec, capacity=max(spec.capacity, *requests))
     target = wiring.load_target(spec)
     drafter = None if args.random else wiring.load_drafter(spec, target)
-    name = spec.drafter
-    if drafter is None or not hasattr(drafter, "set_vocab"):
+    folder = wiring.drafter_folder(spec)
+    name = folder.name if folder is not None else spec.drafter
+    if drafter is None or not hasattr(drafter, "propose") or isinstance(drafter, NGramDrafter):
         drafter, name = random_drafter(target, spec.gamma), "random DSpark-Markov (shipped shape)"
     vocabs = [int(v) for v in args.vocab.split(",")]
+    if not hasattr(drafter, "set_vocab") and vocabs != [0]:
+        raise SystemExit(f"--vocab: the {name} drafter has no draft vocabulary; pass --vocab 0")
     rows = {str(r): measure(target, drafter, r, args.context, vocabs, args.rounds, args.repeats)
             for r in tqdm(requests, desc="bench-drafter", unit="R")}
     result = {"model": spec.model, "dtype": str(target.dtype).replace("torch.", ""), "drafter": name,

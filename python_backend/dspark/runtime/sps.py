@@ -182,19 +182,23 @@ class DraftCost:
         it may have run for the step after."""
         if not self.learn or seconds <= 0:
             return
-        cell = self._rates.setdefault((num_requests, speculative), [0, 0.0, 0.0])
-        cell[0] += 1
-        w = max(self.RATE_ALPHA, 1.0 / cell[0])  # the plain mean until 1/α steps: no weight on the first
-        cell[1] += w * (tokens - cell[1])  # a ratio of averages, not an average of ratios:
-        cell[2] += w * (seconds - cell[2])  # one lucky step weighs its share
+        # tokens and seconds averaged apart (a ratio of averages, not an average of ratios: one
+        # lucky step weighs its share)
+        self._average(self._rates.setdefault((num_requests, speculative), [0, 0.0, 0.0]), tokens, seconds)
 
     def observe_prediction(self, num_requests: int, rate: float) -> None:
         """The rule's model predicted `rate` tokens/second for a speculative step of R requests."""
         if not self.learn:
             return
-        cell = self._predicted.setdefault(num_requests, [0, 0.0])
+        self._average(self._predicted.setdefault(num_requests, [0, 0.0]), rate)
+
+    def _average(self, cell: list[float], *values: float) -> None:
+        """One more observation: cell[0] counts them, cell[1:] average `values`: the plain mean
+        for the first 1/α, a moving average (weight α on the newest) after."""
         cell[0] += 1
-        cell[1] += max(self.RATE_ALPHA, 1.0 / cell[0]) * (rate - cell[1])
+        w = max(self.RATE_ALPHA, 1.0 / cell[0])
+        for i, v in enumerate(values, 1):
+            cell[i] += w * (v - cell[i])
 
     def _measured(self, num_requests: int, speculative: bool) -> float | None:
         cell = self._rates.get((num_requests, speculative))

@@ -407,25 +407,30 @@ class DSparkDrafter(SlotDrafter):
         x = m.block_inputs(anchors)
         cos, sin = m.rope(pos, x.dtype)
         slot_rows = slot_t[:, None].expand(r, g)
-        proj = self._proj
+        proj, last = self._proj, len(m.draft_layers) - 1
         for i, layer in enumerate(m.draft_layers):
             h = layer.input_norm(x)
-            q = layer.q_norm(proj(layer.q_proj, h).view(r, g, layer.n_heads, layer.head_dim))
-            q = apply_rope(q, cos, sin)
             k, v = layer.kv(h, cos, sin, proj)
             self.kv.write(i, slot_rows, pos, k, v)
             keys, vals = self.kv.read(i, slot_t, first, rows)
+            # the last layer's outputs are read at the γ drafted positions only: positions ≥ γ
+            # enter it as keys and values, so its queries, o_proj and MLP run on γ rows, not G
+            # (every row's output is unchanged: attention rows are independent)
+            nq = self.gamma if i == last else g
+            x, h = x[:, :nq], h[:, :nq]
+            q = layer.q_norm(proj(layer.q_proj, h).view(r, nq, layer.n_heads, layer.head_dim))
+            q = apply_rope(q, cos[:, :nq], sin[:, :nq])
             # GQA without copying K/V: the query heads sharing a kv head become rows of one query
-            # block, [R, Hkv, (H/Hkv)·G, hd] against the slot cache's [R, Hkv, rows, hd]
+            # block, [R, Hkv, (H/Hkv)·nq, hd] against the slot cache's [R, Hkv, rows, hd]
             grp = layer.n_heads // layer.n_kv
-            qg = q.view(r, g, layer.n_kv, grp, layer.head_dim).permute(0, 2, 3, 1, 4)
-            qg = qg.reshape(r, layer.n_kv, grp * g, layer.head_dim)
+            qg = q.view(r, nq, layer.n_kv, grp, layer.head_dim).permute(0, 2, 3, 1, 4)
+            qg = qg.reshape(r, layer.n_kv, grp * nq, layer.head_dim)
             out = F.scaled_dot_product_attention(qg, keys, vals, attn_mask=mask)
-            out = out.view(r, layer.n_kv, grp, g, layer.head_dim).permute(0, 3, 1, 2, 4)
-            x = x + proj(layer.o_proj, out.reshape(r, g, -1))
+            out = out.view(r, layer.n_kv, grp, nq, layer.head_dim).permute(0, 3, 1, 2, 4)
+            x = x + proj(layer.o_proj, out.reshape(r, nq, -1))
             h = layer.post_norm(x)
             x = x + proj(layer.down_proj, F.silu(proj(layer.gate_proj, h)) * proj(layer.up_proj, h))
-        return x[:, :self.gamma]
+        return x
 
     def _head(self, h: torch.Tensor, base: torch.Tensor, x0: torch.Tensor,
               choose) -> tuple[torch.Tensor, torch.Tensor]:
