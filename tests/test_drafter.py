@@ -438,6 +438,7 @@ def test_bench_drafter_smoke(tiny_ckpt, tmp_path):
     rows = json.loads(out.read_text())["by_requests"]
     assert set(rows) == {"1", "2"}
     assert rows["2"]["propose_greedy_ms@64"] > 0 and rows["1"]["share_of_plain_step@all"] > 0
+    assert rows["1"]["target_prefill_ms"] > 0 and 0 < rows["2"]["start_share_of_prefill"]
 
 
 def test_draft_vocab_tool_counts_responses_only(tmp_path, target):

@@ -2,7 +2,8 @@
 
 For R requests on a cached context: the target's verify of one token per request (a plain
 decoding step) and of 1 + γ tokens per request, against the DSpark drafter's propose (greedy and
-sampled, full vocabulary and a draft vocabulary of K tokens) and its extend. Every quantity is
+sampled, full vocabulary and a draft vocabulary of K tokens) and its extend; and per request,
+opening the drafter's context for a prompt (`start`) next to the target's prefill of it. Every quantity is
 measured in interleaved rounds in one process and the fastest round is kept (on a shared machine
 other processes only add time). The drafter is the model's trained one (`--drafter`: any
 trained kind; the draft-vocabulary sweep and extend are measured for DSpark drafters), or with
@@ -57,10 +58,11 @@ def measure(target, drafter, num_requests: int, context: int, vocabs: list[int],
             repeats: int) -> dict:
     gamma = drafter.gamma
     slots = [target.allocate() for _ in range(num_requests)]
+    prompt = [5 + i % 100 for i in range(context)]
     try:
-        _, taps = target.prefill(slots, [[5 + i % 100 for i in range(context)]] * num_requests)
+        _, taps = target.prefill(slots, [prompt] * num_requests)
         for s, tp in zip(slots, taps):
-            drafter.start(s, [5] * context, tp)
+            drafter.start(s, prompt, tp)
         anchors = torch.full((num_requests,), 42)
         u = torch.rand(num_requests, gamma)
         greedy, sampled = [SamplingParams()] * num_requests, [SamplingParams(temperature=1.0)] * num_requests
@@ -83,7 +85,13 @@ def measure(target, drafter, num_requests: int, context: int, vocabs: list[int],
             for s in slots:
                 drafter.kv.bound[s] -= n
 
-        cases = {"verify_1_token_ms": verify(1), f"verify_{1 + gamma}_tokens_ms": verify(1 + gamma)}
+        def prefill():  # one request's prompt, as admission runs it (slot 0 refilled in place)
+            target.rollback(slots[0], 0)
+            target.prefill(slots[:1], [prompt])
+
+        cases = {"verify_1_token_ms": verify(1), f"verify_{1 + gamma}_tokens_ms": verify(1 + gamma),
+                 "target_prefill_ms": prefill,
+                 "drafter_start_ms": lambda: drafter.start(slots[0], prompt, taps[0])}
         if hasattr(drafter, "kv"):  # a DSpark drafter: its context extend can be rewound
             cases["extend_ms"] = extend
         propose = {"greedy": lambda: drafter.propose(slots, anchors, greedy, u),
@@ -100,6 +108,7 @@ def measure(target, drafter, num_requests: int, context: int, vocabs: list[int],
                     case = case[1]
                 best[name] = min(best.get(name, float("inf")), fastest(case, repeats))
         step = best["verify_1_token_ms"]
+        best["start_share_of_prefill"] = best["drafter_start_ms"] / best["target_prefill_ms"]
         best.update({f"share_of_plain_step@{k or 'all'}": best[f"propose_greedy_ms@{k or 'all'}"] / step
                      for k in vocabs})
         return best
