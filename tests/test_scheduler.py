@@ -332,45 +332,6 @@ def test_cost_rule_counts_whole_step_overheads():
     assert cost.overheads() == {"drafted": {2: 0.004, 4: 0.008}, "plain": {}}
 
 
-def test_budget_prices_verified_tokens_with_the_fitted_overhead_slope():
-    """Drafted steps whose overhead grows with B (a ragged step pays more per token than the
-    one-sequence table says) teach `overhead_fit` the slope; the step rates then price every
-    extra verified token dearer, so the same survivals get a smaller budget. The slope is
-    clipped to the table's own per-token cost, needs spread in B, and frozen costs ignore it."""
-    per_token, base = 0.0002, 0.010
-    table = SPSTable(list(range(1, 129)), [1.0 / (base + per_token * b) for b in range(1, 129)])
-    r, gamma = 4, 7
-    rem = torch.full((r,), 1000)
-    surv = torch.tensor([0.9, 0.8, 0.7, 0.6])[:, None].pow(torch.arange(1, gamma + 1)).float()
-
-    def budget(slope: float, spread: bool = True, learn: bool = True) -> tuple[int, DraftCost]:
-        cost = DraftCost({r: 0.001}, learn=learn)
-        policy = make_policy("dspark", sps=table, gamma=gamma, draft_cost=cost)
-        for i in range(40):
-            b = r + (1 + i % 24 if spread else 8)
-            step = 0.001 + 1 / table(b) + 0.002 + slope * (b - r)
-            policy.observe_step(r, b, True, step, 0.001)
-        for _ in range(3):
-            policy.decide(surv, rem)
-        return policy.last_budget, cost
-
-    flat_k, flat_cost = budget(0.0)
-    steep_k, steep_cost = budget(per_token)
-    fit = steep_cost.overhead_fit(r)
-    assert fit is not None and fit[2] == pytest.approx(per_token, rel=1e-6)
-    assert flat_cost.overhead_fit(r)[2] == pytest.approx(0.0, abs=1e-9)
-    assert steep_k < flat_k  # dearer tokens: fewer verified
-    policy = make_policy("dspark", sps=table, gamma=gamma, draft_cost=steep_cost)
-    rate = policy.step_rate(r)
-    marginal = (1 / rate[20] - 1 / rate[12]) / 8  # the table's 0.2 ms/token + the fitted 0.2
-    assert marginal == pytest.approx(2 * per_token, rel=1e-6)
-    _, wild = budget(10 * per_token)  # clipped: at most the table's own cost per token again
-    wild_rate = make_policy("dspark", sps=table, gamma=gamma, draft_cost=wild).step_rate(r)
-    assert (1 / wild_rate[20] - 1 / wild_rate[12]) / 8 == pytest.approx(2 * per_token, rel=1e-6)
-    assert budget(per_token, spread=False)[1].overhead_fit(r) is None  # no spread in B: no slope
-    assert budget(per_token, learn=False)[1].overhead_fit(r) is None
-
-
 def test_cost_rule_corrects_its_model_with_what_steps_delivered():
     """Steps report what they delivered (`observe_rate`). On a flat 10 ms verify with a 2 ms drafter
     the model predicts 1.14x plain's rate at survivals 0.27^j and 0.98x at 0.15^j; where steps

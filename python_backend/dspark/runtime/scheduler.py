@@ -144,8 +144,7 @@ class Policy:
         if self._sps_by_b is None or not self.counts_drafting or not measured:
             return
         self.draft_cost.observe_overhead(num_requests, drafted,
-                                         seconds - propose_seconds - 1.0 / self._sps_by_b[batch_tokens],
-                                         batch_tokens)
+                                         seconds - propose_seconds - 1.0 / self._sps_by_b[batch_tokens])
 
     def observe_rate(self, num_requests: int, speculative: bool, tokens: int, seconds: float) -> None:
         """The engine reports what a whole step delivered: `tokens` emitted by R requests in
@@ -156,24 +155,12 @@ class Policy:
 
     def step_rate(self, num_requests: int) -> np.ndarray | None:
         """Steps/second by token batch B for a drafted step of R requests: 1 / (t_draft(R) +
-        overhead(R, B) + 1/SPS(B)) when this policy counts drafting and a cost is known, else
-        the SPS. overhead(R, B): the measured overhead of drafted steps at R, along its fitted
-        slope in B once there is one (`DraftCost.overhead_fit`), the slope clipped to
-        [−½, +1]× the table's own mean cost per token over R..R(1+γ) (a correction of the
-        table, not a replacement: a few noisy steps must not make tokens free or dear)."""
+        overhead(R) + 1/SPS(B)) when this policy counts drafting and a cost is known, else the SPS."""
         t_draft = self.draft_cost(num_requests) if self.counts_drafting else None
         if self._sps_by_b is None or not t_draft:
             return self._sps_by_b
-        step_s = 1.0 / self._sps_by_b
-        overhead: float | np.ndarray = self.draft_cost.overhead(num_requests, True)
-        fit = self.draft_cost.overhead_fit(num_requests)
-        hi = min(num_requests * (1 + self.gamma), len(step_s) - 1)
-        if fit is not None and hi > num_requests:
-            mean_b, mean_overhead, slope = fit
-            per_token = max((step_s[hi] - step_s[num_requests]) / (hi - num_requests), 0.0)
-            slope = min(max(slope, -0.5 * per_token), per_token)
-            overhead = mean_overhead + slope * (np.arange(len(step_s)) - mean_b)
-        return 1.0 / np.maximum(t_draft + overhead + step_s, MIN_STEP_S)
+        return 1.0 / np.maximum(t_draft + self.draft_cost.overhead(num_requests, True) + 1.0 / self._sps_by_b,
+                                MIN_STEP_S)
 
     def wants_draft(self, num_requests: int) -> bool:
         """Draft the coming step at all? Decided before drafting, from past steps only."""

@@ -136,10 +136,6 @@ class DraftCost:
       1/SPS(B): acceptance, the drafter's extend, host work and, behind Triton, the hops to the
       `target` and `drafter` models. Kept apart for steps that call the drafter and for plain
       steps, so the rule compares whole drafted steps with whole plain steps;
-    - `overhead_fit(R)`: how a drafted step's overhead grows with its verified tokens B at R
-      (least squares over past drafted steps). The SPS table times one sequence; a ragged step
-      of R sequences pays more per extra token (attention over R contexts, per-request work),
-      and a table that prices tokens too cheaply makes the budget verify too many;
     - what steps delivered (`observe_rate`: tokens and wall time of whole steps, per R and mode):
       `plain_rate(R)`, the measured plain tokens/second, and `speculative_correction(R)`, the
       ratio of the measured speculative rate to what the rule's model predicted for those
@@ -152,9 +148,6 @@ class DraftCost:
     # (confident drafts, rejected) drive it so low that the rule stops drafting on the easy ones
     # that follow, whose survivals it no longer sees but at probes.
     CORRECTION_RANGE = (0.8, 1.25)
-    FIT_ALPHA = 0.05  # weight of the newest drafted step in the overhead-by-B fit (~ the last 20)
-    FIT_MIN_STEPS = 16  # drafted steps at R before the fit is used
-    FIT_MIN_SPREAD = 2.0  # ... and their B must spread by this many tokens (standard deviation)
 
     def __init__(self, seconds: dict[int, float] | None = None, alpha: float = 0.2,
                  learn: bool = True, overhead_alpha: float = 0.1) -> None:
@@ -166,8 +159,6 @@ class DraftCost:
         # (R, speculative) -> [steps seen, EMA of tokens per step, EMA of seconds per step]
         self._rates: dict[tuple[int, bool], list[float]] = {}
         self._predicted: dict[int, list[float]] = {}  # R -> [predictions, EMA of the predicted rate]
-        # R -> [drafted steps, means of B, overhead, B², B·overhead]
-        self._fit: dict[int, list[float]] = {}
 
     def observe(self, num_requests: int, seconds: float) -> None:
         if self.learn:
@@ -177,29 +168,9 @@ class DraftCost:
         """Seconds of propose at R, or None before any measurement."""
         return self._draft(num_requests)
 
-    def observe_overhead(self, num_requests: int, drafted: bool, seconds: float,
-                         batch_tokens: int | None = None) -> None:
-        """A whole step's overhead (seconds beyond propose and 1/SPS(B)); `batch_tokens` B of a
-        drafted step feeds `overhead_fit`."""
-        if not self.learn:
-            return
-        self._overhead[drafted].observe(num_requests, seconds)
-        if drafted and batch_tokens is not None:
-            b = float(batch_tokens)
-            self._average(self._fit.setdefault(num_requests, [0, 0.0, 0.0, 0.0, 0.0]),
-                          b, seconds, b * b, b * seconds, alpha=self.FIT_ALPHA)
-
-    def overhead_fit(self, num_requests: int) -> tuple[float, float, float] | None:
-        """(mean B, mean overhead at it, slope: seconds per verified token) of drafted steps at
-        exactly R; None until FIT_MIN_STEPS steps whose B spread by FIT_MIN_SPREAD. The slope is
-        what the table misses, so it may be negative (then the table over-prices tokens)."""
-        cell = self._fit.get(num_requests)
-        if cell is None or cell[0] < self.FIT_MIN_STEPS:
-            return None
-        var = cell[3] - cell[1] ** 2
-        if var < self.FIT_MIN_SPREAD ** 2:
-            return None
-        return cell[1], cell[2], (cell[4] - cell[1] * cell[2]) / var
+    def observe_overhead(self, num_requests: int, drafted: bool, seconds: float) -> None:
+        if self.learn:
+            self._overhead[drafted].observe(num_requests, seconds)
 
     def overhead(self, num_requests: int, drafted: bool) -> float:
         """Seconds a step of R requests takes beyond propose and the SPS table (0 until measured)."""
@@ -221,11 +192,11 @@ class DraftCost:
             return
         self._average(self._predicted.setdefault(num_requests, [0, 0.0]), rate)
 
-    def _average(self, cell: list[float], *values: float, alpha: float | None = None) -> None:
+    def _average(self, cell: list[float], *values: float) -> None:
         """One more observation: cell[0] counts them, cell[1:] average `values`: the plain mean
-        for the first 1/α, a moving average (weight α, default RATE_ALPHA, on the newest) after."""
+        for the first 1/α, a moving average (weight α on the newest) after."""
         cell[0] += 1
-        w = max(self.RATE_ALPHA if alpha is None else alpha, 1.0 / cell[0])
+        w = max(self.RATE_ALPHA, 1.0 / cell[0])
         for i, v in enumerate(values, 1):
             cell[i] += w * (v - cell[i])
 
