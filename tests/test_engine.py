@@ -15,6 +15,7 @@ from tiny import make_tiny_checkpoint
 
 from dspark.runtime.drafter import NGramDrafter, load_drafter
 from dspark.runtime.drafter.context import DraftProbStore
+from dspark.runtime.drafter.hybrid import HybridDrafter
 from dspark.runtime.engine import SpecEngine
 from dspark.runtime.interfaces import DraftBlock
 from dspark.runtime.sampling import SamplingParams, param_tensors, sample_inverse_cdf, sampling_probs
@@ -132,17 +133,21 @@ def reference(target, prompts) -> list[list[int]]:
 
 
 def make_drafter(kind: str, target: TargetEngine, gamma: int = 4):
+    if kind == "hybrid":  # lookups on the repetitive prompts, the random drafter elsewhere
+        return HybridDrafter(NGramDrafter(gamma=gamma, n=3), RandomDrafter(gamma, target, seed=1),
+                             vocab_size=target.vocab_size)
     return NGramDrafter(gamma=gamma, n=3) if kind == "ngram" else RandomDrafter(gamma, target, seed=1)
 
 
 def check_clean(engine: SpecEngine, target: TargetEngine) -> None:
     assert not engine.has_work() and engine.num_active == 0
     assert target.num_free_slots() == target.cache.capacity
-    if engine.drafter is not None and hasattr(engine.drafter, "contexts"):
-        assert engine.drafter.contexts == {}
+    drafter = getattr(engine.drafter, "ngram", engine.drafter)  # a hybrid: its lookup's contexts
+    if drafter is not None and hasattr(drafter, "contexts"):
+        assert drafter.contexts == {}
 
 
-@pytest.mark.parametrize("drafter_kind", ["ngram", "random"])
+@pytest.mark.parametrize("drafter_kind", ["ngram", "random", "hybrid"])
 @pytest.mark.parametrize("policy", POLICIES)
 def test_greedy_equals_plain_staggered_batch(target, prompts, reference, policy, drafter_kind):
     """Batch 8 with arrivals spread over steps: token-identical to plain greedy decoding."""
@@ -163,7 +168,7 @@ def test_greedy_equals_plain_staggered_batch(target, prompts, reference, policy,
         assert all(r.tau >= 1.0 for r in reqs)
 
 
-@pytest.mark.parametrize("drafter_kind", ["ngram", "random"])
+@pytest.mark.parametrize("drafter_kind", ["ngram", "random", "hybrid"])
 @pytest.mark.parametrize("policy", ["fixed:3", "dspark"])
 def test_greedy_equals_plain_batch1(target, prompts, reference, policy, drafter_kind):
     engine = SpecEngine(target, make_drafter(drafter_kind, target), policy, sps=SPS)
@@ -183,6 +188,36 @@ def test_ngram_drafter_accepts_on_repetitive_text(target, prompts):
     assert max(r.tau for r in reqs) > 1.0
     # fewer verify steps than plain decoding needs (one per token after the prefill's)
     assert sum(r.verify_steps for r in reqs) < len(reqs) * (MAX_TOKENS - 1)
+
+
+def test_ngram_confidences_learn_in_hindsight_from_proposed_blocks():
+    """The n-gram drafter scores each block it proposed once its γ successors are emitted: a loop
+    that keeps repeating drives ĉ of its match length up from the static prior; a text that breaks
+    every lookup drives it down. Only proposed blocks count, and a released slot's last blocks
+    count as far as their successors are known."""
+    def run(cycle: list[int], steps: int, breaks: bool) -> NGramDrafter:
+        d = NGramDrafter(gamma=3)
+        d.start(0, cycle * 2, torch.zeros(2 * len(cycle), 1))
+        seq = cycle * 2
+        for i in range(steps):
+            anchor = 99 + i if breaks else seq[len(seq) - len(cycle)]
+            d.propose([0], torch.tensor([anchor]), [SamplingParams()], torch.zeros(1, 3))
+            nxt = [anchor] + ([200 + i] if breaks else [seq[len(seq) + 1 - len(cycle)]])
+            d.extend([0], torch.tensor(nxt), torch.zeros(2, 1), torch.tensor([0, 2]), torch.tensor([2]))
+            seq += nxt
+        return d
+
+    loop = run([5, 6, 7, 8], 40, breaks=False)
+    assert (torch.sigmoid(loop.confidence_logits(3)) > 0.9).all() and loop.prior(3) < 0.8
+    assert loop.counts[3, 0, 0] > 30 and loop.counts[0].sum() == 0  # every block matched 3 tokens
+    broken = run([5, 6, 7, 8], 40, breaks=True)
+    assert broken.counts[1:, 0, 1].sum() == 0  # no lookup survived its first draft
+    pending = sum(len(v) for v in broken.pending.values())
+    scored = broken.counts[:, 0, 0].sum()
+    broken.release(0)
+    assert pending > 0 and broken.counts[:, 0, 0].sum() > scored - 1  # the last blocks count too
+    static = NGramDrafter(gamma=3, learn=False)
+    assert torch.allclose(torch.sigmoid(static.confidence_logits(3)), torch.full((3,), static.prior(3)))
 
 
 def test_ngram_lookup():
@@ -558,6 +593,32 @@ def test_output_distribution_exact(small_vocab_target, policy, params):
     if expected[~big].sum() > 0:
         obs, exp = torch.cat([obs, counts[~big].sum()[None]]), torch.cat([exp, expected[~big].sum()[None]])
     assert counts[expected == 0].sum() == 0  # never a token outside the target's top-k/top-p support
+    assert chisquare(obs.numpy(), exp.numpy() * obs.sum().item() / exp.sum().item()).pvalue > 1e-3
+
+
+@pytest.mark.parametrize("policy", ["fixed:2", "dspark"])
+def test_output_distribution_exact_hybrid(small_vocab_target, policy):
+    """A hybrid drafter mixes one-hot lookup rows and the random drafter's sampled rows in one
+    batch (its flat draft probabilities interleave both): tokens 2 and 3 still follow the target's
+    joint distribution (chi-square). min_match 1 on an 8-token vocabulary: about half the rows
+    look up."""
+    target, prompt, samples = small_vocab_target, [1, 2, 3], 4000
+    params = SamplingParams(temperature=1.0)
+    expected = exact_pair_distribution(target, prompt, params).flatten() * samples
+    drafter = HybridDrafter(NGramDrafter(gamma=2, n=2), RandomDrafter(2, target, seed=7, sharpness=1.0),
+                            vocab_size=VOCAB, min_match=1)
+    engine = SpecEngine(target, drafter, policy, sps=SPS)
+    reqs = [engine.add_request(prompt, 4, SamplingParams(1.0, seed=i), stop_token_ids=[])
+            for i in range(samples)]
+    engine.run_until_done()
+    assert 0.2 < drafter.lookups / drafter.proposals < 0.8  # both sources, in the same batches
+    counts = torch.zeros(VOCAB * VOCAB)
+    for r in reqs:
+        counts[r.output[1] * VOCAB + r.output[2]] += 1
+    assert sum(engine.metrics.accepted) > 0 and sum(engine.metrics.verified) > sum(engine.metrics.accepted)
+    big = expected >= 5  # pool the rare cells so the chi-square approximation holds
+    obs = torch.cat([counts[big], counts[~big].sum()[None]])
+    exp = torch.cat([expected[big], expected[~big].sum()[None]])
     assert chisquare(obs.numpy(), exp.numpy() * obs.sum().item() / exp.sum().item()).pvalue > 1e-3
 
 

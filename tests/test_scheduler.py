@@ -461,6 +461,29 @@ def test_recalibration_follows_realised_acceptance():
     assert abs(honest.recalibration(gamma)[0] - 1.0) < 0.1
 
 
+def test_recalibration_per_source_and_tail():
+    """Two drafter sources (a hybrid's trained drafter and lookups) err in opposite directions:
+    each gets its own factors. A calibrated source keeps factor 1, and positions a source has not
+    verified enough take its deepest learned factor (not 1)."""
+    buckets = list(range(1, 257))
+    sps = SPSTable(buckets, [1000.0 / (1.0 + 0.05 * b) for b in buckets])
+    r, gamma = 8, 4
+    claimed = torch.full((r, gamma), 0.5).cumprod(1)
+    sources = torch.tensor([0, 1] * (r // 2))
+    policy = make_policy("dspark", sps=sps, gamma=gamma)
+    ells = torch.tensor([2, 4] * (r // 2))  # source 0 verified at positions 0..1 only
+    accepted = torch.tensor([2, 0] * (r // 2))  # source 0 always accepted, source 1 never
+    for _ in range(30):
+        policy.observe_acceptance(claimed, ells, accepted, sources)
+    f = policy.recalibration(gamma, sources)
+    assert f.shape == (r, gamma)
+    assert (f[0, :2] > 1.5).all() and (f[1] < 0.2).all()
+    assert f[0, 2] == f[0, 3] == f[0, 1]  # unverified positions: the deepest learned factor
+    assert (policy.recalibration(gamma) == f[0]).all()  # no sources: source 0's
+    policy.calibrated_sources = frozenset({1})
+    assert (policy.recalibration(gamma, sources)[1] == 1.0).all()
+
+
 def test_draft_cost_interpolates_and_learns():
     cost = DraftCost({1: 0.002, 9: 0.010})
     assert cost(5) == pytest.approx(0.006) and cost(32) == pytest.approx(0.033) and cost(1) == 0.002

@@ -1,4 +1,5 @@
-"""SPS table (docs/architecture.md §7): next-bucket lookup, tail extrapolation, JSON round trip."""
+"""SPS table (docs/architecture.md §7): next-bucket lookup (padded), interpolation (unpadded), tail
+extrapolation, JSON round trip."""
 
 from __future__ import annotations
 
@@ -11,7 +12,8 @@ from dspark.runtime.sps import SPSTable
 
 
 def test_next_bucket_lookup_is_jagged():
-    table = SPSTable([4, 1, 16], [80.0, 100.0, 50.0], device="cpu", model="m")  # unsorted on purpose
+    table = SPSTable([4, 1, 16], [80.0, 100.0, 50.0], device="cuda:0", model="m")  # unsorted on purpose
+    assert table.padded
     assert table.batch_tokens == [1, 4, 16]
     assert table(1) == 100.0
     assert table(2) == 80.0 and table(4) == 80.0  # padded up to the 4-token bucket
@@ -19,6 +21,18 @@ def test_next_bucket_lookup_is_jagged():
     got = table.lookup(torch.tensor([[0, 1, 3], [4, 9, 16]]))
     assert got.shape == (2, 3)
     assert got.tolist() == [[100.0, 100.0, 80.0], [80.0, 50.0, 50.0]]
+
+
+def test_unpadded_table_interpolates_step_time():
+    """A CPU engine runs exactly B tokens: between profiled sizes the step time is linear, so B = 5
+    between 4 (10 ms) and 8 (20 ms) costs 12.5 ms, not the 8-token bucket's 20 (an invented cliff)."""
+    table = SPSTable([1, 4, 8], [100.0, 100.0, 50.0], device="cpu:x86_64 threads=1")
+    assert table.padded is False
+    assert table(5) == pytest.approx(1.0 / 0.0125) and table(6) == pytest.approx(1.0 / 0.015)
+    assert table(4) == 100.0 and table(8) == 50.0 and table(2) == 100.0
+    assert SPSTable([1, 4, 8], [100.0, 100.0, 50.0], device="cpu", padded=True)(5) == 50.0
+    times = table.step_time(torch.arange(1, 9))
+    assert bool((times[1:] >= times[:-1]).all())
 
 
 def test_extrapolates_linearly_in_step_time_beyond_largest_bucket():
@@ -43,10 +57,14 @@ def test_save_load_round_trip(tmp_path):
     table = SPSTable([1, 2, 8], [10.0, 9.0, 5.0], device="cpu", model="tiny")
     path = tmp_path / "sps.json"
     table.save(path)
-    assert set(json.loads(path.read_text())) == {"batch_tokens", "steps_per_second", "device", "model"}
+    fields = {"batch_tokens", "steps_per_second", "device", "model", "padded"}
+    assert set(json.loads(path.read_text())) == fields
     again = SPSTable.load(path)
-    assert again == table
-    assert again(3) == 5.0
+    assert again == table and again.padded is False
+    assert again(3) == pytest.approx(1.0 / (5 / 6 / 9.0 + 1 / 6 / 5.0))  # 1/6 of the way from 2 to 8
+    path.write_text(json.dumps({"batch_tokens": [1, 2, 8], "steps_per_second": [10.0, 9.0, 5.0],
+                                "device": "cuda:0"}))  # a table from before the field: padded on a GPU
+    assert SPSTable.load(path)(3) == 5.0
 
 
 @pytest.mark.parametrize("sizes,speeds", [([], []), ([1, 2], [1.0]), ([0, 2], [1.0, 1.0]),

@@ -60,7 +60,7 @@ class Spec:
     capacity: int = 8  # KV slots = requests decoded together
     max_seq_len: int = 2048  # tokens per slot (prompt + output)
     num_threads: int = 0  # torch intra-op threads on the CPU (0 = AUTO_CPU_THREADS)
-    drafter: str = "auto"  # auto | none | ngram[:N] | drafter name | drafter folder
+    drafter: str = "auto"  # auto | none | ngram[:N] | drafter name | drafter folder | ngram[:N]+<trained>
     policy: str = "dspark"  # none | fixed:k | mtp1 | threshold:t | dspark-theory | dspark
     gamma: int = 7  # draft block size γ
     sps: str = "auto"  # auto | gpu_shaped | path to an sps.json
@@ -176,8 +176,10 @@ def load_shared_weights(spec: Spec, num_taps: int = 3):
 
 
 def drafter_folder(spec: Spec, name: str | None = None) -> Path | None:
-    """The folder of a trained drafter name/path for this model, None for ngram / none."""
+    """The folder of a trained drafter name/path for this model (a hybrid's trained part), None
+    for ngram / none."""
     name = spec.drafter if name is None else name
+    name = name.partition("+")[2] or name
     if name == "auto":
         root = DRAFTER_DIRS.get(spec.model_key or "")
         folder = None if root is None else root / DEFAULT_DRAFTER
@@ -195,6 +197,11 @@ def drafter_folder(spec: Spec, name: str | None = None) -> Path | None:
                             f"({', '.join(known) or 'none shipped'}); use none, ngram[:N] or a folder")
 
 
+def needs_weights(drafter: str) -> bool:
+    """Whether the drafter spec runs a trained drafter (which shares the target's weights)."""
+    return drafter != "none" and (not drafter.startswith("ngram") or "+" in drafter)
+
+
 def load_drafter(spec: Spec, target, name: str | None = None):
     """The drafter (it carries its own STS temperatures) or None for plain decoding."""
     from dspark.runtime.drafter import build_drafter
@@ -202,6 +209,15 @@ def load_drafter(spec: Spec, target, name: str | None = None):
     name = spec.drafter if name is None else name
     if name == "none":
         return None
+    if "+" in name:  # ngram[:N]+<trained>: lookups where the context repeats, the trained drafter elsewhere
+        from dspark.runtime.drafter.hybrid import HybridDrafter
+
+        lookup, _, trained = name.partition("+")
+        neural = load_drafter(spec, target, trained)
+        if not lookup.startswith("ngram") or neural is None or "+" in trained:
+            raise ValueError(f"drafter {name!r}: a hybrid is ngram[:N]+<a trained drafter of this model>")
+        ngram, _ = build_drafter(lookup, target, neural.gamma)
+        return HybridDrafter(ngram, neural, vocab_size=target.vocab_size)
     folder = drafter_folder(spec, name)
     if folder is None and not name.startswith("ngram"):
         return None  # auto, and this model ships no drafter

@@ -24,7 +24,7 @@ class TritonPythonModel:
         spec = wiring.resolve(wiring.pbtxt_params(json.loads(args["model_config"])))
         drafter = None
         if spec.drafter != "none":
-            target = None if spec.drafter.startswith("ngram") else wiring.load_shared_weights(spec)
+            target = wiring.load_shared_weights(spec) if wiring.needs_weights(spec.drafter) else None
             drafter = wiring.load_drafter(spec, target)
         self.server = DrafterServer(drafter if drafter is not None else Disabled())
 

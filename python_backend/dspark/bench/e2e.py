@@ -162,8 +162,10 @@ def quick_sps(target, sizes: list[int], context: int = 128, repeats: int = 3):
             finally:
                 for s in slots:
                     target.release(s)
-    return SPSTable(sizes, [1.0 / best[b] for b in sizes], device=platform.processor() or "cpu",
-                    model="profiled by dspark bench")
+    cpu = target.device.type == "cpu"
+    return SPSTable(sizes, [1.0 / best[b] for b in sizes],
+                    device=f"cpu:{platform.processor() or platform.machine()}" if cpu else str(target.device),
+                    model="profiled by dspark bench", padded=not cpu)
 
 
 # ---------------------------------------------------------------- baselines

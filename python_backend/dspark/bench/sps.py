@@ -96,7 +96,7 @@ def profile(target_path: str | Path, sizes: list[int], context: int = 256, token
     dtype_name = spec.dtype if spec.dtype != "auto" else str(engine.dtype).removeprefix("torch.")
     cpu = platform.processor() or platform.machine()
     device = f"cpu:{cpu} threads={torch.get_num_threads()} dtype={dtype_name}"
-    return SPSTable(sizes, speeds, device=device, model=paths.relative(target_path))
+    return SPSTable(sizes, speeds, device=device, model=paths.relative(target_path), padded=False)
 
 
 def plot(tables: dict[str, SPSTable], out_png: str | Path) -> None:

@@ -108,6 +108,7 @@ class _Drafts:
     rows: dict[str, int]
     tokens: torch.Tensor  # [M, γ] i64 (device)
     survival: torch.Tensor  # [M, γ] f32 (host, arrives with the step's one sync)
+    sources: torch.Tensor | None  # [M] i64 host: the drafter's proposer per row (None: one)
 
 
 def _to_host(*tensors: torch.Tensor | None) -> list[torch.Tensor | None]:
@@ -143,6 +144,8 @@ class SpecEngine:
             policy = make_policy(policy, sps=sps, gamma=self.gamma, max_batch_tokens=max_batch_tokens)
         plain = drafter is None or policy is None or getattr(policy, "name", "") == "none"
         self.policy: Policy | None = None if plain else policy  # None: plain decoding, no drafter calls
+        if self.policy is not None:  # sources whose confidences the drafter calibrates itself online
+            self.policy.calibrated_sources = frozenset(getattr(drafter, "calibrated_sources", None) or ())
         self.max_batch_tokens = max_batch_tokens
         self.device = torch.device(getattr(target, "device", "cpu"))
         def per_position(values: Sequence[float] | None, attr: str, fill: float) -> torch.Tensor:
@@ -234,14 +237,14 @@ class SpecEngine:
         keys = torch.tensor([r.rng_key for r in reqs], dtype=torch.int64).to(dev)
         counters = torch.tensor([r.verify_steps for r in reqs], dtype=torch.int64).to(dev)
         anchors = torch.tensor([r.output[-1] for r in reqs], dtype=torch.int64).to(dev)
-        drafts, survival = self._drafts(reqs, anchors, keys, counters)
+        drafts, survival, sources = self._drafts(reqs, anchors, keys, counters)
         clock["draft"] += time.perf_counter() - t
 
         t = time.perf_counter()  # schedule (host): ℓ, then the flat batch [x0, d_1..d_ℓ] per request
         remaining = torch.tensor([self._remaining(r) for r in reqs], dtype=torch.int64)
         ells = torch.zeros(R, dtype=torch.int64)
         if survival is not None:
-            ells = self._parts()[1].decide(survival, remaining).to(torch.int64)
+            ells = self._parts()[1].decide(survival, remaining, sources).to(torch.int64)
             ells = torch.minimum(ells.clamp(0, g), (remaining - 1).clamp(min=0))  # architecture §7 caps
             ells = ells * torch.tensor([r.drafting for r in reqs])  # failed drafters: ℓ = 0
         batch = self._flat_batch(reqs, anchors, drafts, ells)
@@ -278,7 +281,7 @@ class SpecEngine:
             nxt.survival = host[2]
         self._next = nxt
         if survival is not None:  # what the survivals predicted, against what was accepted
-            self._parts()[1].observe_acceptance(survival, ells, host[0].cpu())  # type: ignore[union-attr]
+            self._parts()[1].observe_acceptance(survival, ells, host[0].cpu(), sources)  # type: ignore[union-attr]
         n_acc: list[int] = host[0].tolist()  # type: ignore[union-attr]
         out: list[list[int]] = host[1].tolist()  # type: ignore[union-attr]
         ell: list[int] = ells.tolist()
@@ -377,23 +380,28 @@ class SpecEngine:
         return min(r.max_tokens - len(r.output), self.target.max_seq_len + 1 - len(r.prompt) - len(r.output))
 
     def _drafts(self, reqs: list[Request], anchors: torch.Tensor, keys: torch.Tensor,
-                counters: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        """This step's drafts [R, γ] (device) and survivals [R, γ] (host), or (None, None) for a
-        plain step. Requests drafted at the end of the last step reuse those drafts; the others
-        (just admitted) are proposed now, which costs this step one extra host sync."""
+                counters: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        """This step's drafts [R, γ] (device), survivals [R, γ] (host) and the drafter's proposer
+        per row [R] (host, None: one), or Nones for a plain step. Requests drafted at the end of
+        the last step reuse those drafts; the others (just admitted) are proposed now, which costs
+        this step one extra host sync."""
         nxt, self._next = self._next, None
         draft = self._draft_next
         if self.policy is None or not (draft if draft is not None else self.policy.wants_draft(len(reqs))):
-            return None, None
+            return None, None, None
         R, g, dev = len(reqs), self.gamma, self.device
         have = [i for i, r in enumerate(reqs) if nxt is not None and r.request_id in nxt.rows]
         need = [i for i, r in enumerate(reqs) if r.drafting and (nxt is None or r.request_id not in nxt.rows)]
         tokens = torch.zeros(R, g, dtype=torch.int64, device=dev)
         survival = torch.zeros(R, g, dtype=torch.float32)
+        sources: torch.Tensor | None = None
         if have and nxt is not None:
             rows = torch.tensor([nxt.rows[reqs[i].request_id] for i in have])
             tokens[torch.tensor(have, device=dev)] = nxt.tokens[rows.to(dev)]
             survival[torch.tensor(have)] = nxt.survival[rows]
+            if nxt.sources is not None:
+                sources = torch.zeros(R, dtype=torch.int64)
+                sources[torch.tensor(have)] = nxt.sources[rows]
         if need:
             idx = torch.tensor(need)
             block = self._propose([reqs[i] for i in need], anchors[idx.to(dev)], keys[idx.to(dev)],
@@ -402,7 +410,10 @@ class SpecEngine:
                 tokens[idx.to(dev)] = block.tokens
                 surv = sts_survival(block.conf_logits, self.sts_temperatures, self.sts_shifts)
                 survival[idx] = surv.float().cpu()
-        return tokens, survival
+                if block.sources is not None:
+                    sources = torch.zeros(R, dtype=torch.int64) if sources is None else sources
+                    sources[idx] = block.sources.cpu()
+        return tokens, survival, sources
 
     def _propose(self, reqs: list[Request], anchors: torch.Tensor, keys: torch.Tensor,
                  counters: torch.Tensor) -> DraftBlock | None:
@@ -440,7 +451,8 @@ class SpecEngine:
         if block is None:
             return None
         return _Drafts({reqs[i].request_id: j for j, i in enumerate(live)}, block.tokens,
-                       sts_survival(block.conf_logits, self.sts_temperatures, self.sts_shifts).float())
+                       sts_survival(block.conf_logits, self.sts_temperatures, self.sts_shifts).float(),
+                       None if block.sources is None else block.sources.cpu())
 
     def _draft_probs(self, reqs: list[Request], ells: torch.Tensor) -> torch.Tensor | None:
         """p_d of the verified drafts of sampled requests, flat [Σℓ, V] (None: one-hot drafts)."""

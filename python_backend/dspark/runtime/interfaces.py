@@ -55,6 +55,9 @@ class TargetLike(Protocol):
 class DraftBlock:
     tokens: torch.Tensor  # [R, γ] i64, the proposed tokens d_1..d_γ
     conf_logits: torch.Tensor  # [R, γ] f32, confidence logits z_k (survival via STS, architecture §7)
+    # [R] i64 host or None: which of the drafter's proposers made each row (a hybrid's lookup or
+    # trained drafter); the policy recalibrates each source's survivals apart. None: one source.
+    sources: torch.Tensor | None = None
 
 
 class DrafterLike(Protocol):

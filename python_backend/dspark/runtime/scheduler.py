@@ -62,15 +62,18 @@ class Policy:
         self._buckets = np.zeros(0, dtype=np.int64)
         if sps is not None:
             self._sps_by_b = sps.lookup(torch.arange(self.max_batch_tokens + 1)).numpy().astype(np.float64)
-            self._buckets = np.asarray(sps.batch_tokens, dtype=np.int64)
+            # the sizes where SPS can step down: the profiled buckets, or every B when unpadded
+            self._buckets = np.asarray(sps.batch_tokens if sps.padded else range(1, sps.batch_tokens[-1] + 1),
+                                       dtype=np.int64)
         self._snapshots: deque[np.ndarray] = deque(maxlen=2)  # admissible survivals of t−2, t−1
         self.last_budget = 0
         # cost rule's probe back-off per class of R (R.bit_length()): [skipped steps, interval]
         self._probes: dict[int, list[int]] = {}
         self._profile: np.ndarray | None = None  # cost rule: average sorted survival curve (≤ t−1)
-        # online recalibration: per position, decayed sums of predicted survival and of acceptance
-        self._predicted = np.zeros(self.gamma)
-        self._accepted = np.zeros(self.gamma)
+        # online recalibration: per drafter source and position, decayed sums of predicted
+        # survival and of acceptance
+        self._predicted = np.zeros((self.SOURCES, self.gamma))
+        self._accepted = np.zeros((self.SOURCES, self.gamma))
         ranking.warm_up()
 
     def reset(self) -> None:
@@ -91,31 +94,63 @@ class Policy:
             self.draft_cost = copy.deepcopy(other.draft_cost)
         self._probes = {c: list(v) for c, v in other._probes.items()}
         n = min(self.gamma, other.gamma)
-        self._predicted[:n], self._accepted[:n] = other._predicted[:n], other._accepted[:n]
+        self._predicted[:, :n], self._accepted[:, :n] = other._predicted[:, :n], other._accepted[:, :n]
 
     RECAL_DECAY = 0.99  # per observed step: the recalibration remembers ~100 steps
     RECAL_MIN = 4.0  # predicted survival mass a position needs before its factor departs from 1
+    SOURCES = 4  # drafter sources recalibrated apart (`DraftBlock.sources`; larger ids share the last)
+    # sources the drafter calibrates online itself, uncensored (a hybrid's lookups): taken as they are
+    calibrated_sources: frozenset[int] = frozenset()
+
+    def _source_rows(self, sources: torch.Tensor | None, num_requests: int) -> np.ndarray:
+        """[R] source index per row (0 when the drafter has one source)."""
+        if sources is None:
+            return np.zeros(num_requests, dtype=np.int64)
+        return np.clip(sources.cpu().numpy().astype(np.int64), 0, self.SOURCES - 1)
 
     def observe_acceptance(self, survival: torch.Tensor, lengths: torch.Tensor,
-                           accepted: torch.Tensor) -> None:
-        """After a step: the survivals the policy was given [R, γ], the ℓ it chose [R] and the drafts
-        accepted [R]. Per position j, survival a[r, j] predicted 1[n_r > j] for every verified
-        (r, j); the running ratio of the two is the recalibration factor (dspark)."""
+                           accepted: torch.Tensor, sources: torch.Tensor | None = None) -> None:
+        """After a step: the survivals the policy was given [R, γ], the ℓ it chose [R], the drafts
+        accepted [R] and the drafter's source per row [R] (None: one). Per source and position j,
+        survival a[r, j] predicted 1[n_r > j] for every verified (r, j); the running ratio of the
+        two is the recalibration factor (dspark). Sources apart: a hybrid's lookups and its trained
+        drafter err in different directions, and one shared factor would correct neither."""
         gamma = min(survival.shape[1], self.gamma)
         a = survival[:, :gamma].double().numpy()
         j = np.arange(gamma)[None, :]
         verified = j < lengths.numpy()[:, None]
-        self._predicted[:gamma] = self.RECAL_DECAY * self._predicted[:gamma] + (a * verified).sum(0)
-        self._accepted[:gamma] = self.RECAL_DECAY * self._accepted[:gamma] + (
-            verified & (j < accepted.numpy()[:, None])).sum(0)
+        hits = verified & (j < accepted.numpy()[:, None])
+        self._predicted[:, :gamma] *= self.RECAL_DECAY
+        self._accepted[:, :gamma] *= self.RECAL_DECAY
+        rows = self._source_rows(sources, survival.shape[0])
+        np.add.at(self._predicted[:, :gamma], rows, a * verified)
+        np.add.at(self._accepted[:, :gamma], rows, hits)
 
-    def recalibration(self, gamma: int) -> np.ndarray:
-        """Per-position factors [γ] for the survivals: realised acceptance / predicted survival over
-        past steps (1 until a position has RECAL_MIN of predicted mass). From completed steps only,
-        and a[r, j] · f_j still depends on d_{r,<j} alone, so ranking stays non-anticipating."""
-        pred, acc = self._predicted[:gamma], self._accepted[:gamma]
-        ratio = np.divide(acc + 1.0, pred + 1.0, out=np.ones(gamma), where=pred > 0)  # +1: a weak prior at 1
-        return np.where(pred >= self.RECAL_MIN, np.clip(ratio, 0.05, 4.0), 1.0).astype(np.float32)
+    def recalibration(self, gamma: int, sources: torch.Tensor | None = None) -> np.ndarray:
+        """Factors for the survivals: realised acceptance / predicted survival over past steps (1
+        until a source has RECAL_MIN of predicted mass at a position; deeper positions short of it
+        take the deepest learned factor); [γ] for source 0, or [R, γ] with each
+        row's source; 1 for the drafter's `calibrated_sources`. From completed steps only, and
+        a[r, j] · f_j still depends on d_{r,<j} (and the row's source, chosen from its context)
+        alone, so ranking stays non-anticipating."""
+        pred, acc = self._predicted[:, :gamma], self._accepted[:, :gamma]
+        # +1: a weak prior at 1
+        ratio = np.divide(acc + 1.0, pred + 1.0, out=np.ones_like(pred), where=pred > 0)
+        learned = pred >= self.RECAL_MIN
+        factors = np.where(learned, np.clip(ratio, 0.05, 4.0), 1.0).astype(np.float32)
+        # a position short of evidence takes its source's deepest learned factor: deep positions
+        # are verified only when predicted to pay, so with factor 1 an underestimated tail would
+        # never be verified and never corrected
+        for src in range(self.SOURCES):
+            known = np.flatnonzero(learned[src])
+            if known.size:
+                tail = slice(int(known[-1]) + 1, gamma)
+                factors[src, tail] = factors[src, known[-1]]
+        for c in self.calibrated_sources:
+            factors[min(c, self.SOURCES - 1)] = 1.0
+        if sources is None:
+            return factors[0]
+        return factors[self._source_rows(sources, int(sources.shape[0]))]
 
     PROFILE_POINTS = 256  # the averaged survival curve, as quantiles of the per-step sorted values
     PROFILE_ALPHA = 0.25  # weight of the newest snapshot in that average
@@ -182,8 +217,10 @@ class Policy:
         raise NotImplementedError
 
     # -- the step -----------------------------------------------------------------------------
-    def decide(self, survival: torch.Tensor, remaining: torch.Tensor) -> torch.Tensor:
-        """survival [R, γ] f32 (non-increasing in j), remaining [R] i64 -> ℓ [R] i64."""
+    def decide(self, survival: torch.Tensor, remaining: torch.Tensor,
+               sources: torch.Tensor | None = None) -> torch.Tensor:
+        """survival [R, γ] f32 (non-increasing in j), remaining [R] i64, the drafter's source per
+        row [R] i64 (None: one) -> ℓ [R] i64."""
         num_requests, width = survival.shape
         gamma = min(width, self.gamma)
         if num_requests == 0 or gamma == 0:
@@ -191,7 +228,8 @@ class Policy:
             return torch.zeros(num_requests, dtype=torch.int64)
         surv = np.ascontiguousarray(survival.detach().cpu().numpy(), dtype=np.float32)
         if self.counts_drafting:
-            surv = surv[:, :gamma] * self.recalibration(gamma)  # prepare() clips to [0, 1], non-increasing
+            # prepare() clips to [0, 1], non-increasing
+            surv = surv[:, :gamma] * self.recalibration(gamma, sources)
         a, cap = ranking.prepare(np.ascontiguousarray(surv, dtype=np.float32),
                                  np.ascontiguousarray(remaining.detach().cpu().numpy(), dtype=np.int64),
                                  gamma)

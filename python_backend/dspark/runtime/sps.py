@@ -1,9 +1,13 @@
 """Steps-per-second table: how fast one engine step runs at token batch size B (docs/architecture.md §7).
 
-`sps.json` holds `device`, `model`, `batch_tokens` (ascending profiled sizes) and
-`steps_per_second` (one per size). A lookup at B uses the NEXT profiled bucket >= B, like
-CUDA-graph buckets: a step of 37 tokens is padded to the 48-token graph and costs what
-48 costs, so the table is jagged on purpose and the scheduler sees the cliffs.
+`sps.json` holds `device`, `model`, `batch_tokens` (ascending profiled sizes),
+`steps_per_second` (one per size) and `padded`. A padded table (a GPU engine with CUDA-graph
+buckets) is read at the NEXT profiled bucket >= B: a step of 37 tokens is padded to the
+48-token graph and costs what 48 costs, so the table is jagged on purpose and the scheduler
+sees the cliffs. An unpadded one (an eager CPU engine runs exactly B tokens) interpolates step
+time linearly between profiled sizes: reading it jagged would invent cliffs between the sizes
+that were profiled (B = 5 priced as 6) and stop speculation there for nothing. Tables without
+the field are unpadded when their device is a CPU ("cpu..."), padded otherwise.
 
 Beyond the largest profiled size we extrapolate LINEARLY IN STEP TIME (1/SPS) with the
 slope of the last two buckets (never below zero slope): past the knee a step is
@@ -37,6 +41,7 @@ class SPSTable:
     steps_per_second: list[float]
     device: str = "unknown"
     model: str = "unknown"
+    padded: bool | None = None  # steps run at the next profiled size (None: not on a CPU)
 
     def __post_init__(self) -> None:
         if len(self.batch_tokens) != len(self.steps_per_second) or not self.batch_tokens:
@@ -48,6 +53,8 @@ class SPSTable:
             raise ValueError("batch sizes must be >= 1 and steps/second > 0")
         if len(set(self.batch_tokens)) != len(self.batch_tokens):
             raise ValueError("batch_tokens must be distinct")
+        if self.padded is None:
+            self.padded = not str(self.device).lower().startswith("cpu")
         self._buckets = torch.tensor(self.batch_tokens, dtype=torch.int64)
         self._sps = torch.tensor(self.steps_per_second, dtype=torch.float64)
         step_time = 1.0 / self._sps
@@ -61,7 +68,13 @@ class SPSTable:
         b = torch.as_tensor(batch_tokens, dtype=torch.int64)
         idx = torch.searchsorted(self._buckets, b, right=False)  # first bucket >= B
         inside = idx < len(self.batch_tokens)
-        sps = self._sps[idx.clamp(max=len(self.batch_tokens) - 1)]
+        hi = idx.clamp(max=len(self.batch_tokens) - 1)
+        sps = self._sps[hi]
+        if not self.padded:  # step time linear between the profiled sizes around B
+            lo = (hi - 1).clamp(min=0)
+            b_lo, b_hi = self._buckets[lo].to(torch.float64), self._buckets[hi].to(torch.float64)
+            w = ((b.to(torch.float64) - b_lo) / (b_hi - b_lo).clamp(min=1.0)).clamp(0.0, 1.0)
+            sps = 1.0 / ((1.0 - w) / self._sps[lo] + w / self._sps[hi])
         extra = (b - self._buckets[-1]).clamp(min=0).to(torch.float64)
         tail = 1.0 / (1.0 / self._sps[-1] + extra * self._tail_slope)
         return torch.where(inside, sps, tail)
@@ -91,7 +104,7 @@ class SPSTable:
     def load(cls, path: str | Path) -> SPSTable:
         d = json.loads(Path(path).read_text())
         return cls(d["batch_tokens"], d["steps_per_second"], d.get("device", "unknown"),
-                   d.get("model", "unknown"))
+                   d.get("model", "unknown"), d.get("padded"))
 
 
 class _ByRequests:

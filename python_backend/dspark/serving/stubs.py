@@ -139,6 +139,7 @@ class DrafterServer:
             "gamma": int(d.gamma),
             "sts_temperatures": [float(t) for t in getattr(d, "sts_temperatures", None) or []],
             "sts_shifts": [float(b) for b in getattr(d, "sts_shifts", None) or []],
+            "calibrated_sources": [int(c) for c in getattr(d, "calibrated_sources", None) or []],
             "kind": type(d).__name__,
         }
 
@@ -162,6 +163,7 @@ class DrafterStub:
         self.gamma = int(info["gamma"])
         self.sts_temperatures = [float(t) for t in info["sts_temperatures"]] or None
         self.sts_shifts = [float(b) for b in info.get("sts_shifts", [])] or None
+        self.calibrated_sources = tuple(int(c) for c in info.get("calibrated_sources", []))
         self._names = {m: _arg_names(DrafterLike, m) for m in DRAFTER_METHODS if m != "describe"}
 
     def __getattr__(self, method: str):
