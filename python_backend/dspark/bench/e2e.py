@@ -120,6 +120,20 @@ def run_closed_loop(engine, prompts: list[list[int]], concurrency: int, num_requ
             "outputs": [r.output for r in reqs]}
 
 
+def same_text_share(outputs: list[list[int]], reference: list[list[int]]) -> float:
+    """Share of the generated tokens that come before a request's first difference from the same
+    request decoded plainly (greedy; requests take the prompts in turn, so request i is the same
+    prompt in every run). In bf16 a near-tie can send a policy's
+    text elsewhere (the verify batch's shape changes the rounding): past that point it decodes
+    another, easier or harder, text, and its speed is not comparable token for token."""
+    same = total = 0
+    for i, out in enumerate(outputs):
+        ref = reference[i]
+        same += next((j for j, (a, b) in enumerate(zip(out, ref)) if a != b), min(len(out), len(ref)))
+        total += len(out)
+    return same / max(total, 1)
+
+
 def divergence(target, prompts: list[list[int]], plain: list[list[int]], spec: list[list[int]]) -> list[dict]:
     """Where greedy speculative and plain outputs part (if they do), with the target's top-2 logit
     gap there as a one-pass prefill computes it: in bf16 the logits of a token depend slightly on
@@ -405,6 +419,10 @@ def main(args: argparse.Namespace) -> int:
     for name, rs in tries.items():
         runs[name] = sorted(rs, key=lambda r: r["aggregate"])[len(rs) // 2]
         runs[name]["aggregate_runs"] = [r["aggregate"] for r in rs]
+    for name, run in runs.items():  # greedy cells: the text against plain's in the same cell
+        plain = runs.get(name.rsplit("_", 1)[0] + "_plain")
+        if plain is not None and "_T1_" not in name:
+            run["same_as_plain"] = same_text_share(run["outputs"], plain["outputs"])
     same = runs["batch1_dspark"]["outputs"] == runs["batch1_plain"]["outputs"]
     parted = divergence(target, prompts, runs["batch1_plain"]["outputs"], runs["batch1_dspark"]["outputs"])
     batch1 = {"dspark": runs["batch1_dspark"]["aggregate"], "plain": runs["batch1_plain"]["aggregate"],
@@ -431,7 +449,9 @@ def main(args: argparse.Namespace) -> int:
             "dspark": runs["batch1_T1_dspark"]["aggregate"], "plain": runs["batch1_T1_plain"]["aggregate"]},
         "tau": runs["batch1_dspark"]["tau"],
         "by_concurrency": {str(c): {p: {"aggregate": runs[f"c{c}_{p}"]["aggregate"],
-                                        "per_user": runs[f"c{c}_{p}"]["per_user"]} for p in POLICIES}
+                                        "per_user": runs[f"c{c}_{p}"]["per_user"],
+                                        "same_as_plain": runs[f"c{c}_{p}"].get("same_as_plain")}
+                                    for p in POLICIES}
                            for c in concurrency},
         "step_ms": {k: runs["batch1_dspark"]["step_ms"][k]
                     for k in ("draft", "schedule", "verify", "accept")},
