@@ -88,3 +88,21 @@ def test_shipped_drafter_runs_in_the_targets_dtype(smollm2_folder, name):
 
     drafter = load_drafter_folder(ROOT / name, SharedWeights(smollm2_folder, dtype=torch.bfloat16), gamma=4)
     assert {p.dtype for p in drafter.model.parameters()} == {torch.bfloat16}
+
+
+@pytest.mark.parametrize("policy", ["fixed:3", "dspark"])
+def test_hybrid_of_lookup_and_shipped_drafter_is_lossless(smol, smollm2_folder, policy):
+    """`ngram+dspark-markov` through the wiring (what a server's drafter spec builds): greedy
+    output equals plain on SmolLM2, both sources propose, and the policy sees which made each row."""
+    from dspark.runtime.drafter.hybrid import HybridDrafter
+
+    target, prompts, reference = smol
+    spec = wiring.Spec(model=str(smollm2_folder), dtype="fp32", drafter="ngram+dspark-markov", gamma=4)
+    drafter = wiring.load_drafter(spec, target)
+    assert isinstance(drafter, HybridDrafter) and drafter.gamma == 4
+    engine = SpecEngine(target, drafter, policy, sps=wiring.load_sps(spec, target.device))
+    assert engine.generate(prompts + prompts[:1], TOKENS, stop_token_ids=[]) == reference + reference[:1]
+    assert 0 < drafter.lookups < drafter.proposals and engine.metrics.drafter_fallbacks == 0
+    assert engine.policy.calibrated_sources == frozenset({1})
+    with pytest.raises(ValueError, match="hybrid"):
+        wiring.load_drafter(wiring.Spec(model=str(smollm2_folder), drafter="dflash+ngram"), target)

@@ -10,7 +10,8 @@ them), explicit keyword overrides (CLI flags).
 Model names: `smollm2` (the default: SmolLM2-135M-Instruct, fetched by `make setup`),
 `demo` (the 10M demo target in build/demo/target, for fast tests), or a Hugging Face folder.
 Drafter names: `none`, `auto` (the model's shipped default drafter if it has one, else
-none), `ngram[:N]`, a drafter name under the model's drafter folder, or a drafter folder.
+none), `ngram[:N]`, a drafter name under the model's drafter folder, a drafter folder, or a
+hybrid `ngram[:N]+<trained>` (e.g. `ngram+auto`).
 """
 
 from __future__ import annotations
@@ -194,7 +195,8 @@ def drafter_folder(spec: Spec, name: str | None = None) -> Path | None:
     known = [] if root is None or not root.is_dir() else sorted(
         p.name for p in root.iterdir() if (p / "config.json").is_file())
     raise FileNotFoundError(f"drafter {name!r}: not a folder, and not one of this model's drafters "
-                            f"({', '.join(known) or 'none shipped'}); use none, ngram[:N] or a folder")
+                            f"({', '.join(known) or 'none shipped'}); "
+                            "use none, ngram[:N], ngram+<name> or a folder")
 
 
 def needs_weights(drafter: str) -> bool:
@@ -263,7 +265,7 @@ def add_arguments(p, **defaults: Any) -> None:
         "device": "auto, cpu, cuda[:N]",
         "capacity": "KV-cache slots (concurrent requests)", "max_seq_len": "tokens per slot",
         "num_threads": f"torch CPU threads (0 = auto: {AUTO_CPU_THREADS} on the CPU)",
-        "drafter": "auto, none, ngram[:N], a shipped drafter name or a drafter folder",
+        "drafter": "auto, none, ngram[:N], a shipped drafter name, a drafter folder or ngram[:N]+<trained>",
         "policy": "none, fixed:k, mtp1, threshold:t, dspark-theory, dspark",
         "gamma": "draft block size γ", "sps": "auto, gpu_shaped or an sps.json path",
         "max_batch_tokens": "cap on tokens verified per step"}

@@ -59,7 +59,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         ("capacity", "KV-cache slots"),
         ("max_seq_len", "tokens per slot"),
         ("num_threads", "torch CPU threads"),
-        ("drafter", "none, auto, ngram[:N], a drafter name or folder"),
+        ("drafter", "none, auto, ngram[:N], a drafter name or folder, ngram[:N]+<trained>"),
         ("policy", "dspark, mtp1, fixed:k, ..."),
         ("gamma", "draft block size γ"),
         ("sps", "auto, gpu_shaped or an sps.json path"),

@@ -380,10 +380,15 @@ def work_dir(spec) -> Path:
 
 
 def resolve_drafter(spec, name: str, target, gamma: int):
-    """(drafter, folder or None) for a drafter name of this model, a folder or ngram[:N]."""
+    """(drafter, folder or None) for a drafter name of this model, a folder, ngram[:N] or a
+    hybrid ngram[:N]+<trained> (its folder: the trained drafter's, which holds the calibration)."""
+    from dataclasses import replace
+
     from dspark import wiring
 
     folder = wiring.drafter_folder(spec, name)
+    if "+" in name:
+        return wiring.load_drafter(replace(spec, gamma=gamma), target, name), folder
     return build_drafter(name if folder is None else str(folder), target, gamma)
 
 
