@@ -231,6 +231,18 @@ def test_bls_codec_round_trips_the_engine_calls():
     }
 
 
+def test_drafter_model_declares_every_output_a_draft_block_sends():
+    """A hybrid's DraftBlock carries a third tensor (its rows' sources): the `drafter` model must
+    declare out_0 .. out_2, or Triton drops out_2 and every propose fails on the BLS side."""
+    block = DraftBlock(torch.zeros(2, 3, dtype=torch.int64), torch.ones(2, 3), torch.tensor([0, 1]))
+    message, tensors = encode_result(block)
+    back = decode_result(message, tensors)
+    assert torch.equal(back.sources, block.sources)
+    config = (MODEL_REPOSITORY / "drafter" / "config.pbtxt").read_text()
+    declared = set(re.findall(r'name: "(out_\d+)"', config))
+    assert set(tensors) <= declared, f"drafter/config.pbtxt lacks {set(tensors) - declared}"
+
+
 def test_bls_codec_refuses_unknown_types():
     with pytest.raises(TypeError):
         encode_call("x", (object(),), ["a"])
