@@ -241,6 +241,9 @@ def test_drafter_model_declares_every_output_a_draft_block_sends():
     config = (MODEL_REPOSITORY / "drafter" / "config.pbtxt").read_text()
     declared = set(re.findall(r'name: "(out_\d+)"', config))
     assert set(tensors) <= declared, f"drafter/config.pbtxt lacks {set(tensors) - declared}"
+    from dspark.serving.stubs import DRAFTER_OUTPUTS  # what the BLS side asks the drafter for
+
+    assert set(tensors) <= set(DRAFTER_OUTPUTS) <= declared | {"result"}
 
 
 def test_bls_codec_refuses_unknown_types():

@@ -28,7 +28,7 @@ DRAFTER_METHODS = ("describe", "start", "release", "extend", "propose", "draft_p
 TARGET_TENSORS = ("tokens", "seq_idx", "positions", "cu_seqlens", "slots")
 TARGET_OUTPUTS = ("result", "out_0", "out_1", "out_1_lengths")
 DRAFTER_TENSORS = ("taps", "taps_lengths", "tokens", "cu_seqlens", "keep", "anchors", "uniforms", "lengths")
-DRAFTER_OUTPUTS = ("result", "out_0", "out_1")
+DRAFTER_OUTPUTS = ("result", "out_0", "out_1", "out_2")  # out_2: a hybrid DraftBlock.sources
 
 
 class TargetServer:
