@@ -37,6 +37,9 @@ class HybridDrafter:
         self.gamma = neural.gamma
         self.sts_temperatures = list(getattr(neural, "sts_temperatures", None) or [])
         self.sts_shifts = list(getattr(neural, "sts_shifts", None) or [])
+        g = self.gamma  # the STS the engine applies to every row, padded to γ once
+        self._temps = torch.tensor((self.sts_temperatures + [1.0] * g)[:g])
+        self._shifts = torch.tensor((self.sts_shifts + [0.0] * g)[:g])
         self.lookup_rows: dict[int, list[int] | None] = {}  # slot -> its last block if a lookup, else None
         self.lookups = self.proposals = 0  # rows proposed by the lookup / in all
 
@@ -57,10 +60,7 @@ class HybridDrafter:
 
     def _lookup_logits(self, k: int) -> torch.Tensor:
         """[γ] logits z with σ(z / T_j + b_j) = the n-gram drafter's ĉ_kj for a k-token match."""
-        g = self.gamma
-        temps = torch.tensor((self.sts_temperatures + [1.0] * g)[:g])
-        shifts = torch.tensor((self.sts_shifts + [0.0] * g)[:g])
-        return temps * (self.ngram.confidence_logits(k) - shifts)
+        return self._temps * (self.ngram.confidence_logits(k) - self._shifts)
 
     def propose(self, slots: list[int], anchors: torch.Tensor, params: list[SamplingParams],
                 uniforms: torch.Tensor) -> DraftBlock:
@@ -80,7 +80,8 @@ class HybridDrafter:
         if looked:
             idx = torch.tensor(looked, device=dev)
             tokens[idx] = torch.tensor([matches[i][0] for i in looked], dtype=torch.int64, device=dev)
-            conf[idx] = torch.stack([self._lookup_logits(matches[i][1]) for i in looked]).to(dev)
+            logits = {k: self._lookup_logits(k) for k in {matches[i][1] for i in looked}}  # once per k
+            conf[idx] = torch.stack([logits[matches[i][1]] for i in looked]).to(dev)
         for s, (row, _), u in zip(slots, matches, use, strict=True):
             self.lookup_rows[s] = row if u else None
         self.lookups += len(looked)

@@ -77,16 +77,19 @@ class NGramDrafter:
             self.counts[k, :min(accepted + 1, len(truth)), 0] += 1.0  # alive where known
             self.counts[k, :accepted, 1] += 1.0
 
+    def prior_logit(self, k: int) -> float:
+        """The static confidence logit of a k-token match (k = 0: no match)."""
+        return self.hit_logit + self.hit_logit_per_token * k if k else self.miss_logit
+
     def prior(self, k: int) -> float:
-        """The static ĉ of a k-token match (k = 0: no match)."""
-        z = self.hit_logit + self.hit_logit_per_token * k if k else self.miss_logit
-        return 1.0 / (1.0 + math.exp(-z))
+        """The static ĉ of a k-token match."""
+        return 1.0 / (1.0 + math.exp(-self.prior_logit(k)))
 
     def confidence_logits(self, k: int) -> torch.Tensor:
         """[γ] f32 logits of ĉ_kj, j = 0..γ−1 (the static prior's when not learning)."""
-        c0, w = self.prior(k), self.prior_weight
         if not self.learn:
-            return torch.full((self.gamma,), math.log(c0 / (1.0 - c0)), dtype=torch.float32)
+            return torch.full((self.gamma,), self.prior_logit(k), dtype=torch.float32)
+        c0, w = self.prior(k), self.prior_weight
         alive, survived = self.counts[k, :, 0], self.counts[k, :, 1]
         c = ((survived + w * c0) / (alive + w)).clamp(1e-4, 1.0 - 1e-4)
         return torch.log(c / (1.0 - c)).float()
@@ -116,7 +119,7 @@ class NGramDrafter:
     def lookup(self, seq: list[int]) -> tuple[list[int], float]:
         """-> (γ proposed tokens, the static prior's confidence logit): `match`."""
         tokens, k = self.match(seq)
-        return tokens, (self.hit_logit + self.hit_logit_per_token * k) if k else self.miss_logit
+        return tokens, self.prior_logit(k)
 
     def match(self, seq: list[int]) -> tuple[list[int], int]:
         """-> (γ proposed tokens, matched suffix length k; 0 = no match, the tokens repeat the last
