@@ -160,17 +160,29 @@ def admitted(policy_spec: str, sps: SPSTable, history: list, survival, remaining
     return policy.decide(survival, remaining)
 
 
-def count_anticipation_violations(spec: str, trials: int, seed: int = 0, drafting_cost: bool = False) -> int:
+def random_ragged_grid(gen: torch.Generator) -> dict:
+    """A random step-time grid by (R, tokens per request), increasing in both, some steps steep."""
+    requests, tpr = [1, 2, 4], [1, 2, 3, 5]
+    base = torch.rand(len(requests), generator=gen).cumsum(0) / 50 + 0.01
+    steps = (torch.rand(len(requests), len(tpr), generator=gen) ** 3 / 20).cumsum(1)
+    return {"requests": requests, "tokens_per_request": tpr, "seconds": (base[:, None] + steps).tolist()}
+
+
+def count_anticipation_violations(spec: str, trials: int, seed: int = 0, drafting_cost: bool = False,
+                                  ragged: bool = False) -> int:
     """Perturb ĉ_{r,j+1..γ} (what a different d_{r,j} would give) and check that whether (r, i)
     is admitted, for every i ≤ j, never changes. Other rows may change (global interaction).
     drafting_cost: Θ counts a random drafting time per step (the cost-aware budget), and the
-    survivals carry random recalibration factors (as if learned from past steps)."""
+    survivals carry random recalibration factors (as if learned from past steps). ragged: the SPS
+    table carries a random (R, tokens per request) grid, so Θ's step time depends on R too."""
     gen = torch.Generator().manual_seed(seed)
     gamma, violations = 4, 0
     for trial in range(trials):
         num_requests = int(torch.randint(1, 5, (1,), generator=gen))
         max_tokens = num_requests * (gamma + 1)
         sps = random_jagged_sps(gen, max_tokens) if trial % 2 else cliff_sps(gen, num_requests, max_tokens)
+        if ragged:
+            sps = SPSTable(sps.batch_tokens, sps.steps_per_second, ragged=random_ragged_grid(gen))
         cost = DraftCost({num_requests: float(torch.rand(1, generator=gen)) / 50}) if drafting_cost else None
         sums = [torch.rand(gamma, generator=gen).numpy() * 20 for _ in range(2)]
         recal = (sums[0], sums[1]) if drafting_cost else None
@@ -201,6 +213,27 @@ def test_property_catches_retrospective_policy():
 @pytest.mark.parametrize("spec", ["dspark", "dspark:delayed"])
 def test_non_anticipation_with_drafting_counted(spec):
     assert count_anticipation_violations(spec, trials=200, seed=1, drafting_cost=True) == 0
+
+
+@pytest.mark.parametrize("spec", ["dspark", "dspark-theory"])
+def test_non_anticipation_with_a_ragged_step_table(spec):
+    assert count_anticipation_violations(spec, trials=200, seed=2, drafting_cost=True, ragged=True) == 0
+
+
+def test_ragged_table_prices_tokens_by_request_count():
+    """With a ragged grid, Θ at R reads the step time of R requests: the same survivals earn
+    deep drafts where an extra token per request is nearly free (R = 1 on a CPU) and fewer where
+    it is expensive (R = 4), which one table by B cannot say."""
+    grid = {"requests": [1, 4], "tokens_per_request": [1, 8],
+            "seconds": [[0.010, 0.011], [0.020, 0.080]]}
+    sps = SPSTable([1, 32], [100.0, 12.5], device="cpu", ragged=grid)
+    assert sps.rates_for(1, 8)[8] == pytest.approx(1 / 0.011)
+    gamma = 7
+    for num_requests, expect_deep in ((1, True), (4, False)):
+        policy = make_policy("dspark-theory", sps=sps, gamma=gamma, max_batch_tokens=64)
+        survival = torch.full((num_requests, gamma), 0.8).cumprod(1)
+        lengths = policy.decide(survival, torch.full((num_requests,), 100))
+        assert (int(lengths.max()) == gamma) == expect_deep, (num_requests, lengths)
 
 
 def test_draft_or_skip_reads_only_step_t_minus_2():
@@ -493,6 +526,21 @@ def test_draft_cost_interpolates_and_learns():
     frozen = DraftCost({1: 0.002}, learn=False)
     frozen.observe(1, 0.5)
     assert frozen(1) == 0.002
+
+
+def test_step_costs_shrug_off_one_off_spikes():
+    """The first step at a new R builds matmul primitives (tens of ms once): the first warm
+    steps count by their minimum, later spikes by at most a few deviations above the average,
+    while a lasting change still moves the estimate."""
+    cost = DraftCost()
+    for seconds in (0.040, 0.010, 0.011):  # a one-off 30 ms on the first step at R = 16
+        cost.observe_overhead(16, True, seconds)
+    assert cost.overhead(16, True) == pytest.approx(0.010)
+    cost.observe_overhead(16, True, 0.500)  # a later spike
+    assert cost.overhead(16, True) < 0.011
+    for _ in range(60):  # the cost really went up
+        cost.observe_overhead(16, True, 0.030)
+    assert cost.overhead(16, True) > 0.028
 
 
 def test_appendix_a_example_retrospective_admits_only_when_future_is_confident():

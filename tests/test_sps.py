@@ -85,10 +85,37 @@ def test_profile_sps_on_tiny_checkpoint(tiny_ckpt, tmp_path):
     profile_sps.add_arguments(parser)
     out = tmp_path / "sps.json"
     args = parser.parse_args(["--target", str(tiny_ckpt), "--sizes", "1,4,16", "--context", "16",
-                              "--repeats", "1", "--out", str(out)])
+                              "--repeats", "1", "--ragged-requests", "1,3", "--ragged-tokens", "1,2,4",
+                              "--out", str(out)])
     assert profile_sps.main(args) == 0
     table = SPSTable.load(out)
     assert table.batch_tokens == [1, 4, 16]
+    assert table.ragged is not None and table.ragged["requests"] == [1, 3]
+    assert all(len(row) == 3 and min(row) > 0 for row in table.ragged["seconds"])
     assert all(s > 0 for s in table.steps_per_second)
     assert table.device.startswith("cpu") and str(tiny_ckpt) in table.model
     assert out.with_suffix(".png").stat().st_size > 0
+
+
+def test_ragged_grid_reads_step_time_by_requests_and_tokens_per_request(tmp_path):
+    """rates_for(R): linear in step time between profiled R and tokens per request, B < R read
+    as one token each, linear (never falling) past the last point; saved and loaded with the table."""
+    grid = {"requests": [1, 4], "tokens_per_request": [1, 2, 4],
+            "seconds": [[0.010, 0.012, 0.016], [0.020, 0.030, 0.050]]}
+    table = SPSTable([1, 8], [100.0, 50.0], device="cpu", ragged=grid)
+    one = 1.0 / table.rates_for(1, 8)
+    assert one[1] == pytest.approx(0.010) and one[0] == pytest.approx(0.010)  # B < R: B = R
+    assert one[3] == pytest.approx(0.014) and one[4] == pytest.approx(0.016)
+    assert one[6] == pytest.approx(0.020)  # past 4 tokens per request: last slope, 2 ms per token
+    four = 1.0 / table.rates_for(4, 16)
+    assert four[4] == pytest.approx(0.020) and four[6] == pytest.approx(0.025)  # 1.5 tokens each
+    two = 1.0 / table.rates_for(2, 8)  # a third of the way from R = 1 to R = 4
+    assert two[4] == pytest.approx(0.012 + (0.030 - 0.012) / 3)
+    eight = 1.0 / table.rates_for(8, 8)  # past R = 4: the last slope in R
+    assert eight[8] == pytest.approx(0.020 + 4 * (0.020 - 0.010) / 3)
+    flat = SPSTable([1, 8], [100.0, 50.0], device="cpu")
+    assert flat.rates_for(3, 8) == pytest.approx(flat.lookup(torch.arange(9)).numpy())
+    table.save(tmp_path / "sps.json")
+    assert SPSTable.load(tmp_path / "sps.json").ragged == grid
+    with pytest.raises(ValueError, match="ragged seconds"):
+        SPSTable([1], [1.0], ragged={"requests": [1], "tokens_per_request": [1, 2], "seconds": [[0.1]]})

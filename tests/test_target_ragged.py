@@ -190,6 +190,34 @@ def test_torch_attention_matches_the_kernel_contract():
     assert (ours - ref).abs().max() <= 1e-5
 
 
+def test_length_groups_attend_apart_and_match_one_padded_batch():
+    """Requests of very different new-token counts are attended in length groups (one request
+    verifying 8 tokens must not pad 31 others to 8 rows); the grouped result equals the kernel
+    contract's reference and the single padded batch."""
+    from dspark.runtime.model import _attend_torch, build_attn_meta, length_groups
+    from dspark_kernels.varlen_attention import varlen_attention as varlen
+
+    assert length_groups([3, 3, 4]) is None  # one class
+    assert length_groups([1, 2]) is None  # grouping would save one padded row: not worth a call
+    assert length_groups([2] * 6 + [8]) == [[0, 1, 2, 3, 4, 5], [6]]
+    assert length_groups([1, 8, 1, 1, 2, 5, 1]) == [[0, 2, 3, 6], [4], [1, 5]]
+    g = torch.Generator().manual_seed(1)
+    n_heads, n_kv, hd, cap, max_len = 6, 2, 16, 8, 48
+    k_cache, v_cache = (torch.randn(cap, n_kv, max_len, hd, generator=g) for _ in range(2))
+    lens, starts = [1, 8, 1, 1, 2, 5, 1], [7, 20, 0, 33, 12, 3, 39]
+    batch = RaggedBatch.from_requests([5, 0, 7, 1, 2, 6, 3], [[1] * n for n in lens], starts)
+    q = torch.randn(batch.num_tokens, n_heads, hd, generator=g)
+    grouped = build_attn_meta(batch.seq_idx, batch.positions, batch.cu_seqlens, batch.slots, n_heads // n_kv)
+    padded = build_attn_meta(batch.seq_idx, batch.positions, batch.cu_seqlens, batch.slots, n_heads // n_kv,
+                             group=False)
+    assert grouped.groups is not None and len(grouped.groups) == 3 and padded.groups is None
+    ours = _attend_torch(q, k_cache, v_cache, grouped, hd ** -0.5)
+    ref = varlen(q, k_cache, v_cache, grouped.tok_slot, grouped.positions, grouped.cu_seqlens, grouped.slots,
+                 hd ** -0.5, grouped.max_new)
+    assert (ours - ref).abs().max() <= 1e-5
+    assert (ours - _attend_torch(q, k_cache, v_cache, padded, hd ** -0.5)).abs().max() <= 1e-5
+
+
 def test_verify_of_no_requests_is_empty(engine):
     empty = torch.zeros(0, dtype=torch.int64)
     logits, taps = engine.verify(RaggedBatch(empty, empty, empty, torch.zeros(1, dtype=torch.int64), empty))

@@ -60,27 +60,44 @@ def split_tokens(batch_tokens: int, tokens_per_request: int) -> list[int]:
 
 def profile(target_path: str | Path, sizes: list[int], context: int = 256, tokens_per_request: int = 4,
             repeats: int = 5, warmup: int = 1, seed: int = 0, show_progress: bool = True,
-            dtype: str = "auto") -> SPSTable:
+            dtype: str = "auto", ragged_requests: list[int] | None = None,
+            ragged_tokens: list[int] | None = None) -> SPSTable:
     """Fastest of `repeats` verify() wall times per B -> SPSTable (on a shared machine other
     processes only ever add time, so the minimum is the step's own cost). `target_path`: a
-    model name or folder, loaded through `dspark.wiring` in `dtype` (auto, fp32, bf16, q4_1)."""
-    max_requests = max(len(split_tokens(b, tokens_per_request)) for b in sizes)
-    longest = max(max(split_tokens(b, tokens_per_request)) for b in sizes)
-    spec = wiring.resolve(env={}, model=str(target_path), dtype=dtype, device="cpu", capacity=max_requests,
-                          max_seq_len=context + longest + 8, num_threads=torch.get_num_threads())
+    model name or folder, loaded through `dspark.wiring` in `dtype` (auto, fp32, bf16, q4_1).
+    With `ragged_requests` and `ragged_tokens`, also the table's ragged grid: R requests of t
+    new tokens each, for every R and t, on contexts staggered from `context` down to half of it
+    and in slots out of order, as a live batch sits (masked attention, K/V gathered per slot)."""
+    grid = [(r, t) for r in ragged_requests or [] for t in ragged_tokens or []]
+    flat_requests = max(len(split_tokens(b, tokens_per_request)) for b in sizes)
+    grid_requests = max([r for r, _ in grid], default=0)
+    longest = max([max(split_tokens(b, tokens_per_request)) for b in sizes] + [t for _, t in grid])
+    spec = wiring.resolve(env={}, model=str(target_path), dtype=dtype, device="cpu",
+                          capacity=flat_requests + grid_requests, max_seq_len=context + longest + 8,
+                          num_threads=torch.get_num_threads())
     engine = wiring.load_target(spec)
     gen = torch.Generator().manual_seed(seed)
-    slots = [engine.allocate() for _ in range(max_requests)]
-    for start in range(0, max_requests, 16):  # cache a context in every slot, 16 prompts at a time
+    slots = [engine.allocate() for _ in range(flat_requests + grid_requests)]
+    # the table by B: equal contexts; the grid: slots out of order with cached lengths
+    # from `context` down to half of it, as a live batch sits (masked attention, K/V gathered per slot)
+    flat_slots, grid_slots = slots[:flat_requests], slots[flat_requests:][::-1]
+    cached = {s: context for s in flat_slots} | {s: context - context // 2 * (i % 8) // 7
+                                                 for i, s in enumerate(grid_slots)}
+    for start in range(0, len(slots), 16):  # cache a context in every slot, 16 prompts at a time
         chunk = slots[start:start + 16]
-        prompts = torch.randint(0, engine.vocab_size, (len(chunk), context), generator=gen).tolist()
-        engine.prefill(chunk, prompts)
+        engine.prefill(chunk, [torch.randint(0, engine.vocab_size, (cached[s],), generator=gen).tolist()
+                               for s in chunk])
     batches = []
     for b in sizes:
         lens = split_tokens(b, tokens_per_request)
+        chosen = flat_slots[:len(lens)]
         tokens = [torch.randint(0, engine.vocab_size, (n,), generator=gen).tolist() for n in lens]
-        batches.append(RaggedBatch.from_requests(slots[:len(lens)], tokens, [context] * len(lens)))
-    best = [float("inf")] * len(sizes)
+        batches.append(RaggedBatch.from_requests(chosen, tokens, [cached[s] for s in chosen]))
+    for r, t in grid:
+        chosen = grid_slots[:r]
+        tokens = [torch.randint(0, engine.vocab_size, (t,), generator=gen).tolist() for _ in range(r)]
+        batches.append(RaggedBatch.from_requests(chosen, tokens, [cached[s] for s in chosen]))
+    best = [float("inf")] * len(batches)
     # Rounds over ALL sizes (not all repeats of one size in a row): a burst of load from
     # other processes then slows every size a little instead of one size a lot.
     for round_no in tqdm(range(warmup + repeats), desc="profile-sps rounds", disable=not show_progress):
@@ -89,14 +106,20 @@ def profile(target_path: str | Path, sizes: list[int], context: int = 256, token
             engine.verify(batch)
             elapsed = time.perf_counter() - t0
             for slot in batch.slots.tolist():
-                engine.rollback(slot, context)
+                engine.rollback(slot, cached[slot])
             if round_no >= warmup:
                 best[i] = min(best[i], elapsed)
-    speeds = [1.0 / t for t in best]
+    speeds = [1.0 / t for t in best[:len(sizes)]]
+    ragged = None
+    if grid:
+        cells = dict(zip(grid, best[len(sizes):]))
+        ragged = {"requests": list(ragged_requests or []), "tokens_per_request": list(ragged_tokens or []),
+                  "seconds": [[cells[r, t] for t in ragged_tokens or []] for r in ragged_requests or []]}
     dtype_name = spec.dtype if spec.dtype != "auto" else str(engine.dtype).removeprefix("torch.")
     cpu = platform.processor() or platform.machine()
     device = f"cpu:{cpu} threads={torch.get_num_threads()} dtype={dtype_name}"
-    return SPSTable(sizes, speeds, device=device, model=paths.relative(target_path), padded=False)
+    return SPSTable(sizes, speeds, device=device, model=paths.relative(target_path), padded=False,
+                    ragged=ragged)
 
 
 def plot(tables: dict[str, SPSTable], out_png: str | Path) -> None:
@@ -105,7 +128,18 @@ def plot(tables: dict[str, SPSTable], out_png: str | Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (ax_sps, ax_time) = plt.subplots(1, 2, figsize=(10, 4))
+    grids = [t.ragged for t in tables.values() if t.ragged]
+    fig, axes = plt.subplots(1, 3 if grids else 2, figsize=(15 if grids else 10, 4))
+    ax_sps, ax_time = axes[0], axes[1]
+    for grid in grids:
+        for r, row in zip(grid["requests"], grid["seconds"]):
+            axes[2].plot(grid["tokens_per_request"], [1e3 * s for s in row], marker=".", label=f"R={r}")
+        axes[2].set_xlabel("new tokens per request (1 + ℓ)")
+        axes[2].set_ylabel("step time (ms)")
+        axes[2].set_yscale("log")
+        axes[2].set_title("ragged grid: R requests", fontsize=9)
+        axes[2].grid(alpha=0.3)
+        axes[2].legend(fontsize=7)
     for name, table in tables.items():
         b = table.batch_tokens
         ax_sps.step(b, table.steps_per_second, where="pre", marker=".", label=name)
@@ -130,11 +164,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--sizes", default=",".join(map(str, DEFAULT_SIZES)), help="comma-separated B values")
     p.add_argument("--context", type=int, default=256, help="cached tokens per request")
     p.add_argument("--tokens-per-request", type=int, default=4, help="new tokens per request (1 + ℓ)")
+    p.add_argument("--ragged-requests", default="1,2,4,8,16,32",
+                   help="R of the ragged grid (step time by requests and tokens per request); '' for none")
+    p.add_argument("--ragged-tokens", default="1,2,3,4,5,6,8,12,16", help="tokens per request of the grid")
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--threads", type=int, default=1, help="torch CPU threads")
     p.add_argument("--out", default=None, help="default: the table dspark.wiring reads for this model")
     p.add_argument("--plot", default=None, help="PNG path (default: --out with .png)")
+
+
+def _ints(text: str) -> list[int]:
+    return sorted({int(v) for v in text.split(",") if v.strip()})
 
 
 def main(args: argparse.Namespace) -> int:
@@ -147,7 +188,8 @@ def main(args: argparse.Namespace) -> int:
     sizes = sorted({int(s) for s in args.sizes.split(",") if s.strip()})
     try:
         table = profile(target, sizes, args.context, args.tokens_per_request, args.repeats, args.warmup,
-                        dtype=args.dtype)
+                        dtype=args.dtype, ragged_requests=_ints(args.ragged_requests) or None,
+                        ragged_tokens=_ints(args.ragged_tokens) or None)
     except (ValueError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -60,6 +60,7 @@ class Policy:
         self._sps_by_b: np.ndarray | None = None
         self._sps_now: np.ndarray | None = None  # what Θ uses this step: the SPS, or with drafting counted
         self._buckets = np.zeros(0, dtype=np.int64)
+        self._sps_by_r: dict[int, np.ndarray] = {}  # the table read at R (`SPSTable.rates_for`)
         if sps is not None:
             self._sps_by_b = sps.lookup(torch.arange(self.max_batch_tokens + 1)).numpy().astype(np.float64)
             # the sizes where SPS can step down: the profiled buckets, or every B when unpadded
@@ -176,10 +177,11 @@ class Policy:
         the drafter, its wall time and the part of it spent in propose. What the SPS table and
         propose do not explain is the step's overhead (`DraftCost.overhead`)."""
         measured = 0 < batch_tokens <= self.max_batch_tokens
-        if self._sps_by_b is None or not self.counts_drafting or not measured:
+        sps = self.sps_for(num_requests)
+        if sps is None or not self.counts_drafting or not measured:
             return
-        self.draft_cost.observe_overhead(num_requests, drafted,
-                                         seconds - propose_seconds - 1.0 / self._sps_by_b[batch_tokens])
+        overhead = seconds - propose_seconds - 1.0 / sps[batch_tokens]
+        self.draft_cost.observe_overhead(num_requests, drafted, overhead)
 
     def observe_rate(self, num_requests: int, speculative: bool, tokens: int, seconds: float) -> None:
         """The engine reports what a whole step delivered: `tokens` emitted by R requests in
@@ -188,14 +190,25 @@ class Policy:
         if self.counts_drafting:
             self.draft_cost.observe_rate(num_requests, speculative, tokens, seconds)
 
+    def sps_for(self, num_requests: int) -> np.ndarray | None:
+        """SPS by B = 0..max_batch_tokens for a step of R requests (f64; cached per R): the table's
+        ragged grid at R where it has one, else the table by B (None without a table)."""
+        if self._sps_by_b is None or self.sps is None or self.sps.ragged is None:
+            return self._sps_by_b
+        rates = self._sps_by_r.get(num_requests)
+        if rates is None:
+            rates = self._sps_by_r[num_requests] = self.sps.rates_for(num_requests, self.max_batch_tokens)
+        return rates
+
     def step_rate(self, num_requests: int) -> np.ndarray | None:
         """Steps/second by token batch B for a drafted step of R requests: 1 / (t_draft(R) +
-        overhead(R) + 1/SPS(B)) when this policy counts drafting and a cost is known, else the SPS."""
+        overhead(R) + 1/SPS_R(B)) when this policy counts drafting and a cost is known, else SPS_R."""
+        sps = self.sps_for(num_requests)
         t_draft = self.draft_cost(num_requests) if self.counts_drafting else None
-        if self._sps_by_b is None or not t_draft:
-            return self._sps_by_b
-        return 1.0 / np.maximum(t_draft + self.draft_cost.overhead(num_requests, True) + 1.0 / self._sps_by_b,
-                                MIN_STEP_S)
+        if sps is None or not t_draft:
+            return sps
+        drafted_s = t_draft + self.draft_cost.overhead(num_requests, True) + 1.0 / sps
+        return 1.0 / np.maximum(drafted_s, MIN_STEP_S)
 
     def wants_draft(self, num_requests: int) -> bool:
         """Draft the coming step at all? Decided before drafting, from past steps only."""
@@ -370,7 +383,7 @@ class DSpark(Policy):
         predicted = float(np.max((num_requests + gains) * rate))
         plain = self.draft_cost.plain_rate(num_requests)  # measured, else the model's
         if plain is None:
-            plain_s = 1.0 / float(self._sps_by_b[num_requests])
+            plain_s = 1.0 / float(self.sps_for(num_requests)[num_requests])  # type: ignore[index]
             plain = num_requests / max(plain_s + self.draft_cost.overhead(num_requests, False), MIN_STEP_S)
         correction = self.draft_cost.speculative_correction(num_requests)
         corrected = predicted * (1.0 if correction is None else correction)

@@ -13,6 +13,14 @@ Beyond the largest profiled size we extrapolate LINEARLY IN STEP TIME (1/SPS) wi
 slope of the last two buckets (never below zero slope): past the knee a step is
 compute-bound and its time grows ~linearly in tokens, so clamping would wrongly make
 extra tokens free. Below the smallest size the smallest bucket is used.
+
+An optional `ragged` grid prices a step by request count too: `{"requests": [R..],
+"tokens_per_request": [t..], "seconds": [[step seconds at (R_i, t_j)]]}`. On a CPU engine the
+cost of B tokens depends on how many sequences hold them (each reads its own K/V, and a
+64-token step of 32 requests costs ~1.5x one of 16), which a table by B alone prices at one
+fixed split. `rates_for(R)` reads the grid at R (linear in step time between profiled R and
+tokens per request, linear extrapolation past the largest of each); without a grid it is the
+table by B.
 """
 
 from __future__ import annotations
@@ -21,6 +29,7 @@ import json
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 
 # GPU-shaped synthetic table (see `SPSTable.gpu_shaped`). An 8B bf16 model on one
@@ -42,6 +51,7 @@ class SPSTable:
     device: str = "unknown"
     model: str = "unknown"
     padded: bool | None = None  # steps run at the next profiled size (None: not on a CPU)
+    ragged: dict | None = None  # optional (R, tokens per request) grid of step seconds (see above)
 
     def __post_init__(self) -> None:
         if len(self.batch_tokens) != len(self.steps_per_second) or not self.batch_tokens:
@@ -62,6 +72,19 @@ class SPSTable:
         if len(self.batch_tokens) >= 2:
             slope = float((step_time[-1] - step_time[-2]) / (self._buckets[-1] - self._buckets[-2]))
         self._tail_slope = max(slope, 0.0)  # seconds per extra token beyond the largest bucket
+        if self.ragged is not None:
+            self._check_ragged(self.ragged)
+
+    @staticmethod
+    def _check_ragged(grid: dict) -> None:
+        requests, tpr, seconds = grid.get("requests"), grid.get("tokens_per_request"), grid.get("seconds")
+        if not requests or not tpr or seconds is None:
+            raise ValueError("ragged grid needs requests, tokens_per_request and seconds")
+        if sorted(set(requests)) != list(requests) or sorted(set(tpr)) != list(tpr) or min(requests) < 1 \
+                or min(tpr) < 1:
+            raise ValueError("ragged requests and tokens_per_request must be ascending, distinct and >= 1")
+        if np.shape(seconds) != (len(requests), len(tpr)) or not np.all(np.asarray(seconds) > 0):
+            raise ValueError("ragged seconds must be [len(requests)][len(tokens_per_request)], all > 0")
 
     def lookup(self, batch_tokens: torch.Tensor) -> torch.Tensor:
         """Vectorised SPS for int tensor B (any shape) -> f64 tensor of the same shape."""
@@ -79,6 +102,19 @@ class SPSTable:
         tail = 1.0 / (1.0 / self._sps[-1] + extra * self._tail_slope)
         return torch.where(inside, sps, tail)
 
+    def rates_for(self, num_requests: int, max_batch_tokens: int) -> np.ndarray:
+        """Steps/second of a step of R requests by B = 0..max_batch_tokens tokens [f64]: the ragged
+        grid at R where there is one (B < R reads B = R), else the table by B."""
+        if self.ragged is None:
+            return self.lookup(torch.arange(max_batch_tokens + 1)).numpy().astype(np.float64)
+        r = max(int(num_requests), 1)
+        grid_r = np.asarray(self.ragged["requests"], dtype=np.float64)
+        tpr = np.asarray(self.ragged["tokens_per_request"], dtype=np.float64)
+        seconds = np.asarray(self.ragged["seconds"], dtype=np.float64)  # [R grid, tpr grid]
+        by_tpr = np.array([_linear(r, grid_r, seconds[:, j]) for j in range(len(tpr))])  # at this R
+        per_request = np.maximum(np.arange(max_batch_tokens + 1, dtype=np.float64), r) / r
+        return 1.0 / _linear(per_request, tpr, by_tpr)
+
     def __call__(self, batch_tokens: int) -> float:
         return float(self.lookup(torch.tensor([int(batch_tokens)]))[0])
 
@@ -94,7 +130,10 @@ class SPSTable:
                    model="8B-class (memory-bound 6 ms to B~200, then +25 us/token)")
 
     def to_dict(self) -> dict:
-        return asdict(self)
+        d = asdict(self)
+        if d["ragged"] is None:
+            del d["ragged"]  # tables without a grid keep their older shape
+        return d
 
     def save(self, path: str | Path) -> None:
         Path(path).parent.mkdir(parents=True, exist_ok=True)
@@ -104,22 +143,55 @@ class SPSTable:
     def load(cls, path: str | Path) -> SPSTable:
         d = json.loads(Path(path).read_text())
         return cls(d["batch_tokens"], d["steps_per_second"], d.get("device", "unknown"),
-                   d.get("model", "unknown"), d.get("padded"))
+                   d.get("model", "unknown"), d.get("padded"), d.get("ragged"))
+
+
+def _linear(x, xs: np.ndarray, ys: np.ndarray):
+    """Piecewise-linear y(x) through (xs, ys): the first value below xs, past the last point the
+    last segment's slope (never falling: a cost measured to grow is not assumed to shrink)."""
+    y = np.interp(x, xs, ys)
+    if len(xs) < 2:
+        return y
+    slope = max((ys[-1] - ys[-2]) / (xs[-1] - xs[-2]), 0.0)
+    return np.where(np.asarray(x) > xs[-1], ys[-1] + slope * (np.asarray(x) - xs[-1]), y)
 
 
 class _ByRequests:
-    """Seconds by request count R: an exponential moving average per measured R; unmeasured R
-    interpolate linearly between the nearest measured ones; beyond them constant, or with
-    `extrapolate` above the largest measured R linearly on the slope of the two largest (never
-    falling: a cost that grows with R, like propose, is not assumed flat where nobody measured it)."""
+    """Seconds by request count R: a moving average per measured R, robust to one-off spikes;
+    unmeasured R interpolate linearly between the nearest measured ones; beyond them constant, or
+    with `extrapolate` above the largest measured R linearly on the slope of the two largest (never
+    falling: a cost that grows with R, like propose, is not assumed flat where nobody measured it).
+
+    One-off costs only ever add time (the first step at a new batch shape builds its matmul
+    primitives, a JIT compiles): the first `WARM_STEPS` observations at an R count by their
+    minimum, and after them an observation above the average counts at most `spike_room` above it
+    (4 mean absolute deviations, at least 10 % + 1 ms). Unclipped, one 30 ms first step at R = 16
+    made drafting look slower than plain decoding there for a hundred steps."""
+
+    WARM_STEPS = 3
 
     def __init__(self, seconds: dict[int, float] | None, alpha: float, extrapolate: bool = False) -> None:
         self.alpha, self.extrapolate = alpha, extrapolate
         self.by_r: dict[int, float] = {int(r): float(s) for r, s in (seconds or {}).items()}
+        # R -> [observations, mean absolute deviation]; given costs count as past the warm steps
+        self._seen: dict[int, list[float]] = {r: [self.WARM_STEPS, 0.0] for r in self.by_r}
+
+    def spike_room(self, num_requests: int) -> float:
+        value, deviation = self.by_r[num_requests], self._seen[num_requests][1]
+        return max(4.0 * deviation, 0.1 * abs(value) + 1e-3)
 
     def observe(self, num_requests: int, seconds: float) -> None:
         old = self.by_r.get(num_requests)
-        self.by_r[num_requests] = seconds if old is None else old + self.alpha * (seconds - old)
+        seen = self._seen.setdefault(num_requests, [0, 0.0])
+        seen[0] += 1
+        if old is None:
+            self.by_r[num_requests] = seconds
+        elif seen[0] <= self.WARM_STEPS:
+            self.by_r[num_requests] = min(old, seconds)
+        else:  # the deviation learns from the clipped value: a spike cannot widen its own room
+            clipped = min(seconds, old + self.spike_room(num_requests))
+            seen[1] += self.alpha * (abs(clipped - old) - seen[1])
+            self.by_r[num_requests] = old + self.alpha * (clipped - old)
 
     def __call__(self, num_requests: int) -> float | None:
         if not self.by_r:
