@@ -68,7 +68,8 @@ def profile(target_path: str | Path, sizes: list[int], context: int = 256, token
     With `ragged_requests` and `ragged_tokens`, also the table's ragged grid: R requests of t
     new tokens each, for every R and t, on contexts staggered from `context` down to half of it
     and in slots out of order, as a live batch sits (masked attention, K/V gathered per slot)."""
-    grid = [(r, t) for r in ragged_requests or [] for t in ragged_tokens or []]
+    ragged_requests, ragged_tokens = ragged_requests or [], ragged_tokens or []
+    grid = [(r, t) for r in ragged_requests for t in ragged_tokens]
     flat_requests = max(len(split_tokens(b, tokens_per_request)) for b in sizes)
     grid_requests = max([r for r, _ in grid], default=0)
     longest = max([max(split_tokens(b, tokens_per_request)) for b in sizes] + [t for _, t in grid])
@@ -113,8 +114,8 @@ def profile(target_path: str | Path, sizes: list[int], context: int = 256, token
     ragged = None
     if grid:
         cells = dict(zip(grid, best[len(sizes):]))
-        ragged = {"requests": list(ragged_requests or []), "tokens_per_request": list(ragged_tokens or []),
-                  "seconds": [[cells[r, t] for t in ragged_tokens or []] for r in ragged_requests or []]}
+        ragged = {"requests": list(ragged_requests), "tokens_per_request": list(ragged_tokens),
+                  "seconds": [[cells[r, t] for t in ragged_tokens] for r in ragged_requests]}
     dtype_name = spec.dtype if spec.dtype != "auto" else str(engine.dtype).removeprefix("torch.")
     cpu = platform.processor() or platform.machine()
     device = f"cpu:{cpu} threads={torch.get_num_threads()} dtype={dtype_name}"
@@ -185,7 +186,7 @@ def main(args: argparse.Namespace) -> int:
         target = make_random_target()
     key = wiring.Spec(model=str(target)).model_key
     out = args.out or str(wiring.SPS_TABLES.get(key or "", RESULTS / "sps_cpu.json"))
-    sizes = sorted({int(s) for s in args.sizes.split(",") if s.strip()})
+    sizes = _ints(args.sizes)
     try:
         table = profile(target, sizes, args.context, args.tokens_per_request, args.repeats, args.warmup,
                         dtype=args.dtype, ragged_requests=_ints(args.ragged_requests) or None,

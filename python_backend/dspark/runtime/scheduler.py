@@ -176,9 +176,10 @@ class Policy:
         """The engine reports a whole decode step: R requests, B verified tokens, whether it called
         the drafter, its wall time and the part of it spent in propose. What the SPS table and
         propose do not explain is the step's overhead (`DraftCost.overhead`)."""
-        measured = 0 < batch_tokens <= self.max_batch_tokens
+        if not self.counts_drafting or not 0 < batch_tokens <= self.max_batch_tokens:
+            return
         sps = self.sps_for(num_requests)
-        if sps is None or not self.counts_drafting or not measured:
+        if sps is None:
             return
         overhead = seconds - propose_seconds - 1.0 / sps[batch_tokens]
         self.draft_cost.observe_overhead(num_requests, drafted, overhead)

@@ -199,18 +199,10 @@ class _ByRequests:
         if num_requests in self.by_r:
             return self.by_r[num_requests]
         rs = sorted(self.by_r)
-        lo = max((r for r in rs if r < num_requests), default=None)
-        hi = min((r for r in rs if r > num_requests), default=None)
-        if lo is None:
-            return self.by_r[rs[0]]
-        if hi is None:  # above the measured range
-            last = self.by_r[rs[-1]]
-            if not self.extrapolate or len(rs) < 2:
-                return last
-            slope = max(0.0, (last - self.by_r[rs[-2]]) / (rs[-1] - rs[-2]))
-            return last + slope * (num_requests - rs[-1])
-        w = (num_requests - lo) / (hi - lo)
-        return (1 - w) * self.by_r[lo] + w * self.by_r[hi]
+        xs, ys = np.asarray(rs, dtype=np.float64), np.asarray([self.by_r[r] for r in rs])
+        if self.extrapolate:
+            return float(_linear(num_requests, xs, ys))
+        return float(np.interp(num_requests, xs, ys))  # constant beyond the measured range
 
 
 class DraftCost:
