@@ -9,7 +9,7 @@ import math
 import pytest
 import torch
 
-from dspark.runtime.scheduler import make_policy, sts_survival
+from dspark.runtime.scheduler import Policy, make_policy, sts_survival
 from dspark.runtime.sps import DraftCost, SPSTable
 
 ALL_SPECS = ["none", "mtp1", "fixed:3", "threshold:0.6", "dspark-theory", "dspark"]
@@ -153,7 +153,7 @@ def admitted(policy_spec: str, sps: SPSTable, history: list, survival, remaining
              draft_cost: DraftCost | None = None, recal: tuple | None = None):
     policy = make_policy(policy_spec, sps=sps, gamma=gamma, max_batch_tokens=max_tokens,
                          draft_cost=draft_cost)
-    if recal is not None:  # past outcomes: per-position predicted mass and acceptances
+    if recal is not None:  # past outcomes: per-level predicted mass and acceptances
         policy._predicted[:], policy._accepted[:] = recal
     for old in history:
         policy.decide(old, remaining)
@@ -184,8 +184,9 @@ def count_anticipation_violations(spec: str, trials: int, seed: int = 0, draftin
         if ragged:
             sps = SPSTable(sps.batch_tokens, sps.steps_per_second, ragged=random_ragged_grid(gen))
         cost = DraftCost({num_requests: float(torch.rand(1, generator=gen)) / 50}) if drafting_cost else None
-        sums = [torch.rand(gamma, generator=gen).numpy() * 20 for _ in range(2)]
-        recal = (sums[0], sums[1]) if drafting_cost else None
+        recal = None
+        if drafting_cost:  # past outcomes: predicted mass and acceptances per survival level
+            recal = tuple(torch.rand(len(Policy.LEVELS), generator=gen).numpy() * 20 for _ in range(2))
         history = [random_batch(gen, num_requests, gamma)[0].cumprod(1) for _ in range(2)]
         conf, remaining = random_batch(gen, num_requests, gamma)
         r = int(torch.randint(0, num_requests, (1,), generator=gen))
@@ -434,7 +435,7 @@ def test_warm_from_carries_the_learned_state_not_the_batch():
     assert fresh.wants_draft(r)  # cold: no survival curve yet, so it drafts
     fresh.warm_from(used)
     assert not fresh.wants_draft(r) and not fresh._snapshots
-    assert (fresh.recalibration(gamma) == used.recalibration(gamma)).all()
+    assert (fresh.recalibration() == used.recalibration()).all()
     fresh._profile[:] = 1.0  # a copy: the used policy's curve is untouched
     assert not used.wants_draft(r)
     # the measured drafting cost comes along too (a copy), unless a policy keeps fixed costs
@@ -470,9 +471,9 @@ def test_budget_with_drafting_counted_is_the_brute_force_argmax():
 
 
 def test_recalibration_follows_realised_acceptance():
-    """dspark scales survivals by realised acceptance / predicted survival per position, learned
-    from completed steps: a drafter that claims 0.9 but is never accepted loses its budget; one
-    that is accepted as predicted keeps factors near 1."""
+    """dspark scales survivals by realised acceptance / predicted survival per survival level,
+    learned from completed steps: a drafter that claims 0.9 but is never accepted loses its
+    budget; one that is accepted as predicted keeps factors near 1."""
     buckets = list(range(1, 257))
     sps = SPSTable(buckets, [1000.0 / (1.0 + 0.05 * b) for b in buckets])
     r, gamma = 16, 4
@@ -484,20 +485,41 @@ def test_recalibration_follows_realised_acceptance():
         ells = learned.decide(claimed, rem)
         naive.decide(claimed, rem)
         learned.observe_acceptance(claimed, ells, torch.zeros(r, dtype=torch.int64))  # nothing accepted
-    assert (learned.recalibration(gamma) < 0.3).all() and learned.last_budget < naive.last_budget // 2
+    assert (learned.recalibration()[0] < 0.3).all() and learned.last_budget < naive.last_budget // 2
     honest = make_policy("dspark:delayed", sps=sps, gamma=gamma)
     gen = torch.Generator().manual_seed(0)
     for _ in range(200):
         ells = honest.decide(claimed, rem)
         n = (torch.rand(r, gamma, generator=gen) < 0.9).long().cumprod(1).sum(1)  # accepted as claimed
         honest.observe_acceptance(claimed, ells, torch.minimum(n, ells))
-    assert abs(honest.recalibration(gamma)[0] - 1.0) < 0.1
+    assert abs(honest.recalibration()[0, -1] - 1.0) < 0.1  # 0.9 is in the top level
+
+
+def test_recalibration_by_level_is_unbiased_under_censoring():
+    """Drafts accepted 1.6x as often as their survival says (capped at 1), with weak rows verified
+    only at their first two positions (censored, as a budget does): the factor at each verified
+    level comes out ~1.6 whichever rows reached it, and the weak rows' unverified low levels take
+    the nearest learned one, so their deep drafts are priced up too (not left at 1)."""
+    gen = torch.Generator().manual_seed(3)
+    policy = make_policy("dspark", sps=SPSTable([1, 64], [100.0, 50.0], device="cpu"), gamma=4)
+    confident, weak = [0.8, 0.6, 0.45, 0.3], [0.3, 0.15, 0.08, 0.04]
+    survival = torch.tensor([confident, weak] * 4)
+    truth = (1.6 * survival).clamp(max=1.0)
+    conditional = truth / torch.cat([torch.ones(8, 1), truth[:, :-1]], 1)
+    lengths = torch.tensor([4, 2] * 4)
+    for _ in range(400):
+        accepted = (torch.rand(8, 4, generator=gen) < conditional).long().cumprod(1).sum(1)
+        policy.observe_acceptance(survival, lengths, torch.minimum(accepted, lengths))
+    f = policy.recalibrated(survival.numpy()) / survival.numpy()
+    assert f[1, 0] == pytest.approx(1.6, abs=0.2) and f[1, 1] == pytest.approx(1.6, abs=0.2)  # 0.3, 0.15
+    assert f[0, 2] == pytest.approx(1.6, abs=0.2)  # 0.45
+    assert f[1, 2] == f[1, 3] == f[1, 1]  # 0.08, 0.04 never verified: the nearest learned level
 
 
 def test_recalibration_per_source_and_tail():
     """Two drafter sources (a hybrid's trained drafter and lookups) err in opposite directions:
-    each gets its own factors. A calibrated source keeps factor 1, and positions a source has not
-    verified enough take its deepest learned factor (not 1)."""
+    each gets its own factors. A calibrated source keeps factor 1, and survival levels a source
+    has not verified enough take its nearest learned level's factor (not 1)."""
     buckets = list(range(1, 257))
     sps = SPSTable(buckets, [1000.0 / (1.0 + 0.05 * b) for b in buckets])
     r, gamma = 8, 4
@@ -508,13 +530,14 @@ def test_recalibration_per_source_and_tail():
     accepted = torch.tensor([2, 0] * (r // 2))  # source 0 always accepted, source 1 never
     for _ in range(30):
         policy.observe_acceptance(claimed, ells, accepted, sources)
-    f = policy.recalibration(gamma, sources)
+    a = claimed.numpy()
+    f = policy.recalibrated(a, sources) / a
     assert f.shape == (r, gamma)
     assert (f[0, :2] > 1.5).all() and (f[1] < 0.2).all()
-    assert f[0, 2] == f[0, 3] == f[0, 1]  # unverified positions: the deepest learned factor
-    assert (policy.recalibration(gamma) == f[0]).all()  # no sources: source 0's
+    assert f[0, 2] == f[0, 3] == f[0, 1]  # unverified levels (0.125, 0.0625): the nearest learned (0.25)
+    assert (policy.recalibrated(a) / a == f[0]).all()  # no sources: source 0's
     policy.calibrated_sources = frozenset({1})
-    assert (policy.recalibration(gamma, sources)[1] == 1.0).all()
+    assert (policy.recalibrated(a, sources)[1] == a[1]).all()
 
 
 def test_draft_cost_interpolates_and_learns():

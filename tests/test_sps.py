@@ -5,10 +5,11 @@ from __future__ import annotations
 
 import json
 
+import numpy as np
 import pytest
 import torch
 
-from dspark.runtime.sps import SPSTable
+from dspark.runtime.sps import SPSTable, smooth_by_tokens
 
 
 def test_next_bucket_lookup_is_jagged():
@@ -119,3 +120,27 @@ def test_ragged_grid_reads_step_time_by_requests_and_tokens_per_request(tmp_path
     assert SPSTable.load(tmp_path / "sps.json").ragged == grid
     with pytest.raises(ValueError, match="ragged seconds"):
         SPSTable([1], [1.0], ragged={"requests": [1], "tokens_per_request": [1, 2], "seconds": [[0.1]]})
+
+
+def test_ragged_grid_is_read_smoothed_over_two_or_more_tokens_per_request():
+    """A noisy cell must not make a fake cheap segment (R = 32 profiled: the 4th token per request
+    at a third of the 3rd's price); a smooth cost is read as measured; t = 1 is kept."""
+    tokens = np.array([1, 2, 3, 4, 5, 6, 8], dtype=np.float64)
+    line = 0.050 + 0.012 * tokens
+    line[0] = 0.040
+    assert smooth_by_tokens(tokens, line) == pytest.approx(line)
+    noisy = line.copy()
+    noisy[2] += 0.010  # t = 3 measured slow: raw, t 3 -> 4 looks almost free
+    assert noisy[3] - noisy[2] < 0.3 * (noisy[4] - noisy[3])
+    smooth = smooth_by_tokens(tokens, noisy)
+    assert smooth[0] == noisy[0] and np.all(np.diff(smooth) >= 0)
+    marginal = np.diff(smooth[1:]) / np.diff(tokens[1:])
+    assert marginal.min() > 0.5 * marginal.max()
+    assert np.abs(smooth - line).max() < 0.8 * 0.010  # closer to the true cost than the noisy cell
+    falling = line.copy()
+    falling[1:] = falling[1:][::-1]  # a curve that falls is fitted by a flat line, never below t = 1
+    assert np.all(np.diff(smooth_by_tokens(tokens, falling)) >= 0)
+    grid = {"requests": [1, 2], "tokens_per_request": tokens.astype(int).tolist(),
+            "seconds": [noisy.tolist(), (2 * noisy).tolist()]}
+    table = SPSTable([1, 8], [100.0, 50.0], device="cpu", ragged=grid)
+    assert 1.0 / table.rates_for(1, 8)[1:] == pytest.approx(np.interp(np.arange(1, 9), tokens, smooth))

@@ -71,10 +71,10 @@ class Policy:
         # cost rule's probe back-off per class of R (R.bit_length()): [skipped steps, interval]
         self._probes: dict[int, list[int]] = {}
         self._profile: np.ndarray | None = None  # cost rule: average sorted survival curve (≤ t−1)
-        # online recalibration: per drafter source and position, decayed sums of predicted
+        # online recalibration: per drafter source and survival level, decayed sums of predicted
         # survival and of acceptance
-        self._predicted = np.zeros((self.SOURCES, self.gamma))
-        self._accepted = np.zeros((self.SOURCES, self.gamma))
+        self._predicted = np.zeros((self.SOURCES, len(self.LEVELS)))
+        self._accepted = np.zeros((self.SOURCES, len(self.LEVELS)))
         ranking.warm_up()
 
     def reset(self) -> None:
@@ -94,12 +94,13 @@ class Policy:
         if self.draft_cost.learn and other.draft_cost.learn:
             self.draft_cost = copy.deepcopy(other.draft_cost)
         self._probes = {c: list(v) for c, v in other._probes.items()}
-        n = min(self.gamma, other.gamma)
-        self._predicted[:, :n], self._accepted[:, :n] = other._predicted[:, :n], other._accepted[:, :n]
+        self._predicted[:], self._accepted[:] = other._predicted, other._accepted
 
     RECAL_DECAY = 0.99  # per observed step: the recalibration remembers ~100 steps
-    RECAL_MIN = 4.0  # predicted survival mass a position needs before its factor departs from 1
+    RECAL_MIN = 4.0  # predicted survival mass a level needs before its factor departs from 1
     SOURCES = 4  # drafter sources recalibrated apart (`DraftBlock.sources`; larger ids share the last)
+    # survival levels recalibrated apart: left edges of the bins of a[r, j]
+    LEVELS = np.array([0.0, 0.02, 0.05, 0.1, 0.2, 0.35, 0.5, 0.7, 0.85])
     # sources the drafter calibrates online itself, uncensored (a hybrid's lookups): taken as they are
     calibrated_sources: frozenset[int] = frozenset()
 
@@ -109,49 +110,59 @@ class Policy:
             return np.zeros(num_requests, dtype=np.int64)
         return np.clip(sources.cpu().numpy().astype(np.int64), 0, self.SOURCES - 1)
 
+    def _levels(self, a: np.ndarray) -> np.ndarray:
+        return np.searchsorted(self.LEVELS, a, side="right") - 1
+
     def observe_acceptance(self, survival: torch.Tensor, lengths: torch.Tensor,
                            accepted: torch.Tensor, sources: torch.Tensor | None = None) -> None:
         """After a step: the survivals the policy was given [R, γ], the ℓ it chose [R], the drafts
-        accepted [R] and the drafter's source per row [R] (None: one). Per source and position j,
-        survival a[r, j] predicted 1[n_r > j] for every verified (r, j); the running ratio of the
-        two is the recalibration factor (dspark). Sources apart: a hybrid's lookups and its trained
-        drafter err in different directions, and one shared factor would correct neither."""
+        accepted [R] and the drafter's source per row [R] (None: one). Per source and survival
+        level, survival a[r, j] predicted 1[n_r > j] for every verified (r, j); the running ratio
+        of the two is the recalibration factor (dspark). By level, not by position: which (r, j)
+        get verified depends on a[r, j] alone, so the acceptance rate AT a level is learned
+        without bias from the verified ones, where a factor per position averages only the
+        confident rows that were verified and misjudges the rest (SmolLM2's trained drafter at
+        batch 1: positions 4-6 accepted 3-4x their survival uncensored, learned 1.5x). Sources
+        apart: a hybrid's lookups and its trained drafter err in different directions."""
         gamma = min(survival.shape[1], self.gamma)
         a = survival[:, :gamma].double().numpy()
         j = np.arange(gamma)[None, :]
         verified = j < lengths.numpy()[:, None]
         hits = verified & (j < accepted.numpy()[:, None])
-        self._predicted[:, :gamma] *= self.RECAL_DECAY
-        self._accepted[:, :gamma] *= self.RECAL_DECAY
-        rows = self._source_rows(sources, survival.shape[0])
-        np.add.at(self._predicted[:, :gamma], rows, a * verified)
-        np.add.at(self._accepted[:, :gamma], rows, hits)
+        self._predicted *= self.RECAL_DECAY
+        self._accepted *= self.RECAL_DECAY
+        rows = np.broadcast_to(self._source_rows(sources, survival.shape[0])[:, None], a.shape)
+        levels = self._levels(a)
+        np.add.at(self._predicted, (rows[verified], levels[verified]), a[verified])
+        np.add.at(self._accepted, (rows[verified], levels[verified]), 1.0 * hits[verified])
 
-    def recalibration(self, gamma: int, sources: torch.Tensor | None = None) -> np.ndarray:
-        """Factors for the survivals: realised acceptance / predicted survival over past steps (1
-        until a source has RECAL_MIN of predicted mass at a position; deeper positions short of it
-        take the deepest learned factor); [γ] for source 0, or [R, γ] with each
-        row's source; 1 for the drafter's `calibrated_sources`. From completed steps only, and
-        a[r, j] · f_j still depends on d_{r,<j} (and the row's source, chosen from its context)
-        alone, so ranking stays non-anticipating."""
-        pred, acc = self._predicted[:, :gamma], self._accepted[:, :gamma]
+    def recalibration(self) -> np.ndarray:
+        """Factors [SOURCES, levels]: realised acceptance / predicted survival over past steps (1
+        until a source has RECAL_MIN of predicted mass at a level; levels short of it take the
+        nearest learned level's factor: low levels are verified only when predicted to pay, so
+        with factor 1 an underestimated low level would never be verified and never corrected);
+        1 for the drafter's `calibrated_sources`."""
         # +1: a weak prior at 1
-        ratio = np.divide(acc + 1.0, pred + 1.0, out=np.ones_like(pred), where=pred > 0)
-        learned = pred >= self.RECAL_MIN
-        factors = np.where(learned, np.clip(ratio, 0.05, 4.0), 1.0).astype(np.float32)
-        # a position short of evidence takes its source's deepest learned factor: deep positions
-        # are verified only when predicted to pay, so with factor 1 an underestimated tail would
-        # never be verified and never corrected
+        ratio = np.divide(self._accepted + 1.0, self._predicted + 1.0, out=np.ones_like(self._predicted),
+                          where=self._predicted > 0)
+        learned = self._predicted >= self.RECAL_MIN
+        factors = np.where(learned, np.clip(ratio, 0.05, 4.0), 1.0)
+        index = np.arange(len(self.LEVELS))
         for src in range(self.SOURCES):
             known = np.flatnonzero(learned[src])
             if known.size:
-                tail = slice(int(known[-1]) + 1, gamma)
-                factors[src, tail] = factors[src, known[-1]]
+                nearest = known[np.abs(index[:, None] - known[None, :]).argmin(1)]
+                factors[src] = factors[src, nearest]
         for c in self.calibrated_sources:
             factors[min(c, self.SOURCES - 1)] = 1.0
-        if sources is None:
-            return factors[0]
-        return factors[self._source_rows(sources, int(sources.shape[0]))]
+        return factors
+
+    def recalibrated(self, survival: np.ndarray, sources: torch.Tensor | None = None) -> np.ndarray:
+        """survival [R, γ] · its source's factor at its level (`recalibration`). From completed
+        steps only, and a[r, j] · f(a[r, j]) still depends on d_{r,<j} (and the row's source,
+        chosen from its context) alone, so ranking stays non-anticipating."""
+        rows = self._source_rows(sources, survival.shape[0])[:, None]
+        return survival * self.recalibration()[rows, self._levels(survival)].astype(survival.dtype)
 
     PROFILE_POINTS = 256  # the averaged survival curve, as quantiles of the per-step sorted values
     PROFILE_ALPHA = 0.25  # weight of the newest snapshot in that average
@@ -243,7 +254,7 @@ class Policy:
         surv = np.ascontiguousarray(survival.detach().cpu().numpy(), dtype=np.float32)
         if self.counts_drafting:
             # prepare() clips to [0, 1], non-increasing
-            surv = surv[:, :gamma] * self.recalibration(gamma, sources)
+            surv = self.recalibrated(surv[:, :gamma], sources)
         a, cap = ranking.prepare(np.ascontiguousarray(surv, dtype=np.float32),
                                  np.ascontiguousarray(remaining.detach().cpu().numpy(), dtype=np.int64),
                                  gamma)
