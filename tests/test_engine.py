@@ -675,6 +675,8 @@ def test_bench_smoke(tiny_ckpt, tmp_path):
     assert result["by_concurrency"]["2"]["plain"]["aggregate"] > 0
     assert set(result["step_ms"]) == {"draft", "schedule", "verify", "accept"}
     assert result["greedy_dspark_equals_plain_batch1"] and result["greedy_divergence_batch1"] == []
+    assert result["free_text_same_as_plain_batch1"] == 1.0 and result["config"]["same_text"]
+    assert all(row[p]["same_as_plain"] == 1.0 for row in result["by_concurrency"].values() for p in row)
     assert "met" in result["goals"]
     assert out.with_suffix(".png").is_file()
 
@@ -807,3 +809,24 @@ def test_bench_closed_loop_generates_matched_lengths(target, prompts, reference)
            if target.eos_token_ids and target.eos_token_ids[0] in tokens}
     capped = run_closed_loop(SpecEngine(target), prompts, 2, len(prompts), MAX_TOKENS, SamplingParams())
     assert all(len(o) == eos.get(i, MAX_TOKENS) for i, o in enumerate(capped["outputs"]))
+
+
+@pytest.mark.parametrize("policy", ["none", "mtp1", "fixed:4", "dspark"])
+def test_same_text_target_decodes_the_reference_for_every_policy(target, prompts, reference, policy):
+    """`dspark bench`'s SameTextTarget: every policy, at any batch shape, decodes the given
+    reference text for the prompts it knows, even a reference the target would never decode;
+    other prompts decode the target's own greedy text; no KV slot is left behind."""
+    from dspark.bench.e2e import run_closed_loop
+    from dspark.bench.same_text import SameTextTarget
+
+    g = torch.Generator().manual_seed(5)
+    known = prompts[:-1]  # the last prompt stays unknown to the wrapper
+    forced = [torch.randint(3, 300, (MAX_TOKENS,), generator=g).tolist() for _ in known]
+    wrapped = SameTextTarget(target, {tuple(p): r for p, r in zip(known, forced, strict=True)})
+    engine = SpecEngine(wrapped, NGramDrafter(gamma=4, n=3), policy, sps=SPS)
+    lengths = [MAX_TOKENS] * len(prompts)
+    run = run_closed_loop(engine, prompts, 3, len(prompts), lengths, SamplingParams())
+    assert run["outputs"][:-1] == forced
+    assert run["outputs"][-1] == reference[-1]
+    assert forced != reference[:-1]  # the forcing did something
+    check_clean(engine, target)

@@ -11,6 +11,9 @@ one run, on the same target and the same prompts (code, math, chat; greedy unles
 - closed-loop concurrency 1..32: aggregate and per-user tokens/s for dspark, plain, mtp1, fixed:7;
 - τ, the per-step time split of dspark at batch 1, the drafter's propose time per step, and the
   goals of the speculation issue, met or not.
+Greedy runs decode plain decoding's text (`dspark.bench.same_text`: in bf16 a near-tie would
+otherwise send each policy's text elsewhere, and a policy that lands in a loop prompt lookup
+drafts for free looks faster for it); `--free-text` lets them part.
 Tokens/s counts generated tokens over wall time, prefill included. Each of our cells runs
 `--repeats` times with its policies side by side in rotated order (median reported); the cost of
 drafting at R, which a running server measures once, is shared by the dspark runs. Writes
@@ -30,6 +33,7 @@ import torch
 from tqdm import tqdm
 
 from dspark import paths, wiring
+from dspark.bench.same_text import SameTextTarget
 from dspark.runtime.sampling import SamplingParams
 from dspark.runtime.scheduler import Policy
 from dspark.runtime.sps import DraftCost
@@ -347,6 +351,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="greedy requests stop at eos (default: each generates exactly as many tokens as "
                         "plain decoding does for its prompt, so every policy does the same work; in "
                         "bf16 a near-tie can make a speculative run stop elsewhere)")
+    p.add_argument("--free-text", action="store_true",
+                   help="greedy runs decode their own text (in bf16 a near-tie can send a policy's text "
+                        "elsewhere) instead of plain decoding's (default: every policy decodes the same "
+                        "text, dspark.bench.same_text)")
     p.add_argument("--out", default=None, help="default: results/bench_e2e_<model>.json")
 
 
@@ -384,8 +392,9 @@ def main(args: argparse.Namespace) -> int:
     draft_cost = DraftCost()
     warm: dict[tuple[str, bool], Policy] = {}  # (policy, greedy) -> its last run's policy
 
-    def engine(policy: str, params: SamplingParams, d=drafter):
-        eng = wiring.build_engine(replace(spec, policy=policy), target=target,
+    def engine(policy: str, params: SamplingParams, d=drafter, free_text: bool = False):
+        on = same_text if same_text is not None and params.greedy and not free_text else target
+        eng = wiring.build_engine(replace(spec, policy=policy), target=on,
                                   drafter=None if policy == "plain" else d)
         if eng.policy is not None and eng.policy.counts_drafting:
             eng.policy.draft_cost = draft_cost
@@ -395,12 +404,13 @@ def main(args: argparse.Namespace) -> int:
         return eng
 
     greedy, t1 = SamplingParams(), SamplingParams(temperature=1.0, seed=0)
-    # greedy cells: each prompt's length as plain decoding stops it at eos (an untimed pass), then
-    # generated exactly by every policy (T = 1 cells stop at eos: their lengths are random anyway)
-    matched: int | list[int] = args.max_tokens
-    if not args.stop_at_eos:
-        plain_engine = wiring.build_engine(replace(spec, policy="plain"), target=target, drafter=None)
-        matched = [len(o) for o in plain_engine.generate(prompts, args.max_tokens, greedy)]
+    # greedy cells: each prompt's text and length as plain decoding stops it at eos (an untimed
+    # pass), then generated exactly by every policy (T = 1 cells stop at eos: their lengths are
+    # random anyway), and decoded as that same text unless --free-text (`SameTextTarget`)
+    plain_engine = wiring.build_engine(replace(spec, policy="plain"), target=target, drafter=None)
+    reference = plain_engine.generate(prompts, args.max_tokens, greedy)
+    matched: int | list[int] = args.max_tokens if args.stop_at_eos else [len(o) for o in reference]
+    same_text = None if args.free_text else SameTextTarget(target, dict(zip(map(tuple, prompts), reference)))
     n_b1 = len(prompts)
     cells = [[("batch1_dspark", "dspark", 1, greedy), ("batch1_plain", "plain", 1, greedy)]]
     if not args.no_t1:
@@ -423,8 +433,11 @@ def main(args: argparse.Namespace) -> int:
         plain = runs.get(name.rsplit("_", 1)[0] + "_plain")
         if plain is not None and "_T1_" not in name:
             run["same_as_plain"] = same_text_share(run["outputs"], plain["outputs"])
-    same = runs["batch1_dspark"]["outputs"] == runs["batch1_plain"]["outputs"]
-    parted = divergence(target, prompts, runs["batch1_plain"]["outputs"], runs["batch1_dspark"]["outputs"])
+    # what a free greedy run decodes (untimed, batch 1): where and why its bf16 text parts from plain's
+    free_engine = engine("dspark", greedy, free_text=True)
+    free = run_closed_loop(free_engine, prompts, 1, n_b1, matched, greedy)["outputs"]
+    same = free == reference
+    parted = divergence(target, prompts, reference, free)
     batch1 = {"dspark": runs["batch1_dspark"]["aggregate"], "plain": runs["batch1_plain"]["aggregate"],
               "hf_plain": None, "hf_assisted": None, "hf_prompt_lookup": None,
               "llamacpp_q4_1": None, "llamacpp_bf16": None, "llamacpp_prompt_lookup": None}
@@ -461,6 +474,7 @@ def main(args: argparse.Namespace) -> int:
         "propose_share_of_plain_step_batch1": None if propose is None else propose / plain_step,
         "greedy_dspark_equals_plain_batch1": same,
         "greedy_divergence_batch1": parted,
+        "free_text_same_as_plain_batch1": same_text_share(free, reference),
         "runs": {k: {kk: vv for kk, vv in v.items() if kk != "outputs"} for k, v in runs.items()},
         "baselines": baselines,
         "config": {"model": spec.model, "dtype": str(target.dtype).replace("torch.", ""),
@@ -470,6 +484,7 @@ def main(args: argparse.Namespace) -> int:
                    "max_tokens": args.max_tokens, "repeats": args.repeats, "waves": args.waves,
                    "device": str(target.device),
                    "greedy_lengths": "stop at eos" if args.stop_at_eos else matched,
+                   "same_text": same_text is not None,
                    "threads": torch.get_num_threads(),
                    "torch": torch.__version__, "load_avg_1min": _load_avg()},
     }
