@@ -830,3 +830,25 @@ def test_same_text_target_decodes_the_reference_for_every_policy(target, prompts
     assert run["outputs"][-1] == reference[-1]
     assert forced != reference[:-1]  # the forcing did something
     check_clean(engine, target)
+
+
+def test_goals_pair_each_repeat_against_its_own_policies():
+    """The bench's never-slower ratio pairs each repeat's dspark run with the best other policy of
+    the same repeat: a slow spell that hits one repeat's cell cancels in its ratio (here dspark is
+    1.05x the best other in every repeat, while the ratio of the medians says 0.79x)."""
+    from dspark.bench.e2e import goals, paired_ratios
+
+    spells = (0.6, 0.8, 0.6)  # the machine's speed during each repeat of the cell
+    runs = {f"c1_{p}": {"aggregate_runs": [base * s for s in spells]}
+            for p, base in (("dspark", 105.0), ("plain", 50.0), ("mtp1", 100.0))}
+    runs["batch1_dspark"], runs["batch1_plain"] = runs["c1_dspark"], runs["c1_plain"]
+    assert paired_ratios(runs, "c1_dspark", ["c1_plain", "c1_mtp1"]) == pytest.approx([1.05] * 3)
+    by_c = {"1": {p: {"aggregate": 0.0, "per_user": 1.0} for p in ("dspark", "plain", "mtp1")}}
+    # medians taken apart: dspark's from a slow repeat, mtp1's from the fast one
+    by_c["1"]["dspark"]["aggregate"], by_c["1"]["mtp1"]["aggregate"] = 105.0 * 0.6, 100.0 * 0.8
+    result = {"batch1_tokens_per_s": {"dspark": 63.0, "plain": 40.0}, "runs": runs, "by_concurrency": by_c,
+              "propose_share_of_plain_step_batch1": None}
+    g = goals(result)
+    assert g["aggregate_vs_best_other_by_concurrency"]["1"] == pytest.approx(1.05)
+    assert g["aggregate_vs_best_other_by_concurrency_of_medians"]["1"] == pytest.approx(0.7875)
+    assert g["met"]["never_slower_0.98"] and g["batch1_vs_plain"] == pytest.approx(2.1)
