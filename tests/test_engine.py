@@ -852,3 +852,18 @@ def test_goals_pair_each_repeat_against_its_own_policies():
     assert g["aggregate_vs_best_other_by_concurrency"]["1"] == pytest.approx(1.05)
     assert g["aggregate_vs_best_other_by_concurrency_of_medians"]["1"] == pytest.approx(0.7875)
     assert g["met"]["never_slower_0.98"] and g["batch1_vs_plain"] == pytest.approx(2.1)
+
+
+def test_per_user_is_compared_at_matched_aggregate():
+    """The per-user goal reads mtp1's curve at dspark's aggregate (linear between concurrencies),
+    and skips dspark points beyond mtp1's aggregate range."""
+    from dspark.bench.e2e import per_user_at_matched_aggregate
+
+    def point(aggregate, per_user):
+        return {"aggregate": aggregate, "per_user": per_user}
+
+    rows = {"1": {"dspark": point(80.0, 78.0), "mtp1": point(60.0, 60.0)},
+            "2": {"dspark": point(150.0, 45.0), "mtp1": point(100.0, 50.0)},
+            "4": {"dspark": point(300.0, 10.0), "mtp1": point(200.0, 30.0)}}
+    # mtp1's per-user at aggregate 80: 55, at 150: 40; 300 is beyond its curve
+    assert per_user_at_matched_aggregate(rows) == pytest.approx([78.0 / 55.0, 45.0 / 40.0])
