@@ -10,7 +10,9 @@ such a parting). `SameTextTarget` removes that noise: wrapped around the target,
 reference's next token the argmax of every logits row it returns for a prompt it knows (all
 other rows untouched), so every policy decodes the reference text (plain decoding's, from an
 untimed pass) and only the parting ties change. The forward passes, and so the costs, are the
-real ones. Benchmark-only: serving never wraps its target.
+real ones; the wrapper itself adds ~0.02 ms to a step of one request and ~0.7 ms to one of 32
+(< 1 % of either; a policy that takes fewer steps pays it fewer times). Benchmark-only: serving
+never wraps its target.
 """
 
 from __future__ import annotations
