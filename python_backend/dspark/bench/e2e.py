@@ -312,7 +312,7 @@ def llamacpp_baselines(gguf_q4: Path, prompts, max_tokens: int, eos: list[int], 
 def paired_ratios(runs: dict, mine: str, others: list[str]) -> list[float]:
     """Per repeat: run `mine`'s aggregate ÷ the best of `others` in the same repeat. A repeat runs
     a cell's policies back to back (minutes apart), so a slow spell of the shared machine, which
-    moves one cell's runs by up to 30 %, mostly cancels in the ratio, where a ratio of medians
+    moves one cell's runs by up to half, mostly cancels in the ratio, where a ratio of medians
     taken over the repeats apart keeps it."""
     return [m / max(runs[o]["aggregate_runs"][i] for o in others)
             for i, m in enumerate(runs[mine]["aggregate_runs"])]
