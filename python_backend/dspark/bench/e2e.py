@@ -313,9 +313,21 @@ def paired_ratios(runs: dict, mine: str, others: list[str]) -> list[float]:
     """Per repeat: run `mine`'s aggregate ÷ the best of `others` in the same repeat. A repeat runs
     a cell's policies back to back (minutes apart), so a slow spell of the shared machine, which
     moves one cell's runs by up to half, mostly cancels in the ratio, where a ratio of medians
-    taken over the repeats apart keeps it."""
+    taken over the repeats apart keeps it. With several `others` the per-repeat max picks each
+    repeat's luckiest run: biased low (`best_policy_ratios`)."""
     return [m / max(runs[o]["aggregate_runs"][i] for o in others)
             for i, m in enumerate(runs[mine]["aggregate_runs"])]
+
+
+def best_policy_ratios(runs: dict, mine: str, others: list[str]) -> tuple[str, list[float]]:
+    """(the best of `others`, per repeat `mine`'s aggregate ÷ that policy's run in the same
+    repeat). The best policy is the one with the highest median over the repeats, chosen once
+    per cell: the goal compares dspark with the best policy, not with each repeat's luckiest run.
+    The per-repeat max of three policies that are equally fast picks up their noise: with 6 %
+    run-to-run noise an arm exactly as fast as the best scores 0.95 on it on average, 0.99 here
+    (tests/test_engine.py simulates both)."""
+    best = max(others, key=lambda o: float(np.median(runs[o]["aggregate_runs"])))
+    return best, paired_ratios(runs, mine, [best])
 
 
 def per_user_at_matched_aggregate(by_concurrency: dict, mine: str = "dspark",
@@ -334,21 +346,29 @@ def per_user_at_matched_aggregate(by_concurrency: dict, mine: str = "dspark",
 
 def goals(result: dict) -> dict:
     """The speculation issue's goals on this run's numbers: our engine's ratios are the median of
-    the per-repeat paired ratios (`paired_ratios`), the baselines' (one run each) dspark's median
-    over theirs; the ratios of the medians are kept beside them."""
+    the per-repeat paired ratios against the best other policy of the cell (`best_policy_ratios`),
+    the baselines' (one run each) dspark's median over theirs. Kept beside them: the ratios
+    against each repeat's best run (`paired_ratios`), against each policy (paired; their minimum
+    is the strictest reading of "never slower") and the ratios of the medians."""
     b1, runs = result["batch1_tokens_per_s"], result["runs"]
     hf = [b1[k] for k in ("hf_plain", "hf_assisted", "hf_prompt_lookup") if b1.get(k)]
     lc = [b1[k] for k in ("llamacpp_q4_1", "llamacpp_bf16", "llamacpp_prompt_lookup") if b1.get(k)]
-    paired = {c: paired_ratios(runs, f"c{c}_dspark", [f"c{c}_{p}" for p in row if p != "dspark"])
-              for c, row in result["by_concurrency"].items()}
-    never_slower = {c: float(np.median(r)) for c, r in paired.items()}
+    others = {c: [f"c{c}_{p}" for p in row if p != "dspark"] for c, row in result["by_concurrency"].items()}
+    best = {c: best_policy_ratios(runs, f"c{c}_dspark", o) for c, o in others.items()}
+    never_slower = {c: float(np.median(r)) for c, (_, r) in best.items()}
+    per_repeat_max = {c: float(np.median(paired_ratios(runs, f"c{c}_dspark", o))) for c, o in others.items()}
+    each = {c: {name.split("_", 1)[1]: float(np.median(paired_ratios(runs, f"c{c}_dspark", [name])))
+                for name in o} for c, o in others.items()}
     of_medians = {c: row["dspark"]["aggregate"] / max(row[p]["aggregate"] for p in row if p != "dspark")
                   for c, row in result["by_concurrency"].items()}
     per_user = per_user_at_matched_aggregate(result["by_concurrency"])
     out = {"batch1_vs_plain": float(np.median(paired_ratios(runs, "batch1_dspark", ["batch1_plain"]))),
            "batch1_vs_plain_of_medians": b1["dspark"] / b1["plain"], "batch1_vs_best_transformers":
            b1["dspark"] / max(hf) if hf else None, "aggregate_vs_best_other_by_concurrency": never_slower,
-           "aggregate_vs_best_other_by_concurrency_runs": paired,
+           "best_other_policy_by_concurrency": {c: name.split("_", 1)[1] for c, (name, _) in best.items()},
+           "aggregate_vs_best_other_by_concurrency_runs": {c: r for c, (_, r) in best.items()},
+           "aggregate_vs_best_other_by_concurrency_per_repeat_max": per_repeat_max,
+           "aggregate_vs_each_policy_by_concurrency": each,
            "aggregate_vs_best_other_by_concurrency_of_medians": of_medians,
            "best_per_user_vs_mtp1": max(per_user) if per_user else None,
            "batch1_vs_best_llamacpp": b1["dspark"] / max(lc) if lc else None,
@@ -387,9 +407,32 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "elsewhere) instead of plain decoding's (default: every policy decodes the same "
                         "text, dspark.bench.same_text)")
     p.add_argument("--out", default=None, help="default: results/bench_e2e_<model>.json")
+    p.add_argument("--rescore", default=None, metavar="JSON",
+                   help="run nothing: recompute the goals (and the plot) of a bench JSON from its "
+                        "measured runs with this version's statistics, in place")
+
+
+def rescore(path: Path) -> dict:
+    """Recompute a bench JSON's goals from its measured runs (`goals`), rewrite it and its plot."""
+    try:
+        result = json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise SystemExit(f"--rescore {path}: not a readable bench JSON ({e})") from e
+    missing = [k for k in ("batch1_tokens_per_s", "runs", "by_concurrency") if k not in result]
+    if missing:
+        raise SystemExit(f"--rescore {path}: not a `dspark bench` result (no {', '.join(missing)})")
+    result["goals"] = goals(result)
+    path.write_text(json.dumps(result, indent=1) + "\n")
+    plot(result, path.with_suffix(".png"))
+    return result
 
 
 def main(args: argparse.Namespace) -> int:
+    if args.rescore:
+        result = rescore(Path(args.rescore))
+        print(json.dumps(result["goals"], indent=1))
+        print(f"rescored {paths.relative(Path(args.rescore))} and its .png")
+        return 0
     spec = wiring.from_args(args)
     if spec.num_threads > 0:
         torch.set_num_threads(spec.num_threads)
