@@ -846,9 +846,9 @@ def test_same_text_target_decodes_the_reference_for_every_policy(target, prompts
 
 
 def test_goals_pair_each_repeat_against_its_own_policies():
-    """The bench's never-slower ratio pairs each repeat's dspark run with the best other policy of
-    the same repeat: a slow spell that hits one repeat's cell cancels in its ratio (here dspark is
-    1.05x the best other in every repeat, while the ratio of the medians says 0.79x)."""
+    """The bench's never-slower ratio pairs each repeat's dspark run with the same repeat's run of
+    the cell's best other policy: a slow spell that hits one repeat's cell cancels in its ratio
+    (here dspark is 1.05x the best other in every repeat, while the ratio of the medians says 0.79x)."""
     from dspark.bench.e2e import goals, paired_ratios
 
     spells = (0.6, 0.8, 0.6)  # the machine's speed during each repeat of the cell
