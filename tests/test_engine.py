@@ -694,6 +694,29 @@ def test_bench_smoke(tiny_ckpt, tmp_path):
         main(["bench", "--rescore", str(tmp_path / "other.json")])
 
 
+def test_bench_q4_1_cells_on_smollm2(smollm2_folder, tmp_path):
+    """On SmolLM2 the bench also times dspark and plain at batch 1 on the GGUF's own Q4_1 weights
+    (what llama.cpp's Q4_1 column runs), paired like every cell, each decoding its own build's
+    plain text; the moonshot reads our best build."""
+    import json
+
+    from dspark.cli import main
+
+    out = tmp_path / "bench.json"
+    assert main(["bench", "--model", "smollm2", "--drafter", "ngram", "--domains", "code", "--n-prompts", "1",
+                 "--max-tokens", "8", "--concurrency", "1", "--no-hf", "--no-llamacpp", "--no-t1",
+                 "--num-threads", "1", "--repeats", "2", "--capacity", "2", "--out", str(out)]) == 0
+    result = json.loads(out.read_text())
+    batch1, runs, q4 = result["batch1_tokens_per_s"], result["runs"], result["q4_1"]
+    assert batch1["dspark_q4_1"] > 0 and batch1["plain_q4_1"] > 0
+    assert len(runs["batch1_q4_1_dspark"]["aggregate_runs"]) == 2
+    assert runs["batch1_q4_1_dspark"]["same_as_plain"] == 1.0  # on its own build's plain text
+    assert q4["tau"] >= 1.0 and set(q4["step_ms"]) == {"draft", "schedule", "verify", "accept"}
+    assert q4["greedy_lengths"] and 0.0 <= q4["free_text_same_as_plain"] <= 1.0
+    assert result["goals"]["batch1_q4_1_vs_plain_q4_1"] > 0
+    assert result["goals"]["batch1_best_dspark_vs_best_llamacpp"] is None  # --no-llamacpp
+
+
 # ---- the real target: SmolLM2-135M-Instruct (skipped when it is not fetched) ----
 
 SMOL_POLICIES = ["none", "mtp1", "fixed:3", "threshold:0.5", "dspark-theory", "dspark"]

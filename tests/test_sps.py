@@ -144,3 +144,23 @@ def test_ragged_grid_is_read_smoothed_over_two_or_more_tokens_per_request():
             "seconds": [noisy.tolist(), (2 * noisy).tolist()]}
     table = SPSTable([1, 8], [100.0, 50.0], device="cpu", ragged=grid)
     assert 1.0 / table.rates_for(1, 8)[1:] == pytest.approx(np.interp(np.arange(1, 9), tokens, smooth))
+
+
+def test_quantized_weights_read_their_own_table_else_the_models(tmp_path, monkeypatch):
+    """`--dtype q4_1` schedules with `sps_<model>_q4_1_cpu.json` (int4 steps grow with a verify's
+    rows far faster than bf16's) when profiled, else with the model's own table; bf16 / fp32 /
+    auto read the model's table; `dspark profile-sps --dtype q4_1` writes the q4_1 one."""
+    from dspark import wiring
+
+    bf16, q4 = tmp_path / "sps_m_cpu.json", tmp_path / "sps_m_q4_1_cpu.json"
+    monkeypatch.setitem(wiring.SPS_TABLES, "smollm2", bf16)
+    assert wiring.sps_table_path("smollm2", "q4_1") == q4
+    assert wiring.sps_table_path("smollm2", "bf16") == wiring.sps_table_path("smollm2") == bf16
+    assert wiring.sps_table_path(None, "q4_1") is None
+    SPSTable([1, 8], [100.0, 50.0], device="cpu").save(bf16)
+    spec = wiring.Spec(model="smollm2", dtype="q4_1", device="cpu")
+    assert wiring.load_sps(spec).steps_per_second == [100.0, 50.0]  # no q4_1 table yet
+    SPSTable([1, 8], [150.0, 60.0], device="cpu").save(q4)
+    assert wiring.load_sps(spec).steps_per_second == [150.0, 60.0]
+    assert wiring.load_sps(wiring.Spec(model="smollm2", dtype="bf16", device="cpu")).steps_per_second == [
+        100.0, 50.0]

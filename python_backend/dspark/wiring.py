@@ -228,7 +228,8 @@ def load_drafter(spec: Spec, target, name: str | None = None):
 
 
 def load_sps(spec: Spec, device: torch.device | None = None):
-    """auto = this model's profiled CPU table on the CPU when present, else the GPU-shaped one."""
+    """auto = this model's profiled CPU table on the CPU when present (its quantized dtype's own
+    when profiled, `sps_table_path`), else the GPU-shaped one."""
     from dspark.runtime.sps import SPSTable
 
     if spec.sps == "gpu_shaped":
@@ -237,10 +238,21 @@ def load_sps(spec: Spec, device: torch.device | None = None):
         if not Path(spec.sps).is_file():
             raise FileNotFoundError(f"setting 'sps': no SPS table at {spec.sps} (or use auto / gpu_shaped)")
         return SPSTable.load(spec.sps)
-    table = SPS_TABLES.get(spec.model_key or "")
-    if (device or torch_device(spec)).type == "cpu" and table is not None and table.is_file():
-        return SPSTable.load(table)
+    if (device or torch_device(spec)).type == "cpu":
+        for table in (sps_table_path(spec.model_key, spec.dtype), sps_table_path(spec.model_key)):
+            if table is not None and table.is_file():
+                return SPSTable.load(table)
     return SPSTable.gpu_shaped()
+
+
+def sps_table_path(model_key: str | None, dtype: str = "auto") -> Path | None:
+    """The profiled CPU table of this model in this dtype: SPS_TABLES' own for the bf16 / fp32
+    weights, `sps_<model>_<dtype>_cpu.json` beside it for quantized weights (int4 costs grow
+    with a verify's rows far faster than bf16's, so a bf16 table would misprice every step)."""
+    table = SPS_TABLES.get(model_key or "")
+    if table is None or dtype not in QUANTIZED:
+        return table
+    return table.with_name(table.name.replace("_cpu.json", f"_{dtype}_cpu.json"))
 
 
 def build_engine(spec: Spec, target=None, drafter: Any = "spec"):

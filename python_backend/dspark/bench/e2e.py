@@ -7,6 +7,9 @@ one run, on the same target and the same prompts (code, math, chat; greedy unles
   else the target's own first layers, `assistant_early_exit`, best depth) and with prompt lookup;
   llama.cpp (llama-cpp-python, an optional extra: scripts/install_llamacpp.sh) on the model's
   Q4_1 GGUF, on a BF16 GGUF of the same weights, and with its prompt-lookup drafting;
+- batch 1 greedy on the GGUF's own Q4_1 weights (`--dtype q4_1`, torch's int4 matmul; the
+  weights llama.cpp's Q4_1 column reads): dspark and plain, each with that build's steps/second
+  table and decoding that build's plain text (`--no-q4-1` skips them);
 - batch 1 at T = 1 (sampled): dspark and plain;
 - closed-loop concurrency 1..32: aggregate and per-user tokens/s for dspark, plain, mtp1, fixed:7;
 - τ, the per-step time split of dspark at batch 1, the drafter's propose time per step, and the
@@ -26,7 +29,7 @@ import json
 import math
 import platform
 import time
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -353,6 +356,7 @@ def goals(result: dict) -> dict:
     b1, runs = result["batch1_tokens_per_s"], result["runs"]
     hf = [b1[k] for k in ("hf_plain", "hf_assisted", "hf_prompt_lookup") if b1.get(k)]
     lc = [b1[k] for k in ("llamacpp_q4_1", "llamacpp_bf16", "llamacpp_prompt_lookup") if b1.get(k)]
+    ours = [b1[k] for k in ("dspark", "dspark_q4_1") if b1.get(k)]  # our best speculative build
     others = {c: [f"c{c}_{p}" for p in row if p != "dspark"] for c, row in result["by_concurrency"].items()}
     best = {c: best_policy_ratios(runs, f"c{c}_dspark", o) for c, o in others.items()}
     never_slower = {c: float(np.median(r)) for c, (_, r) in best.items()}
@@ -372,12 +376,18 @@ def goals(result: dict) -> dict:
            "aggregate_vs_best_other_by_concurrency_of_medians": of_medians,
            "best_per_user_vs_mtp1": max(per_user) if per_user else None,
            "batch1_vs_best_llamacpp": b1["dspark"] / max(lc) if lc else None,
+           "batch1_q4_1_vs_best_llamacpp":
+           b1["dspark_q4_1"] / max(lc) if lc and b1.get("dspark_q4_1") else None,
+           "batch1_best_dspark_vs_best_llamacpp": max(ours) / max(lc) if lc else None,
+           "batch1_q4_1_vs_plain_q4_1": float(np.median(paired_ratios(runs, "batch1_q4_1_dspark",
+                                                                      ["batch1_q4_1_plain"])))
+           if "batch1_q4_1_dspark" in runs else None,
            "propose_share_of_plain_step_batch1": result["propose_share_of_plain_step_batch1"]}
     out["met"] = {"batch1_2x_plain": out["batch1_vs_plain"] >= 2.0,
                   "batch1_1.5x_transformers": None if not hf else out["batch1_vs_best_transformers"] >= 1.5,
                   "never_slower_0.98": min(never_slower.values()) >= 0.98,
                   "per_user_1.5x_mtp1": None if not per_user else max(per_user) >= 1.5,
-                  "moonshot_llamacpp": None if not lc else out["batch1_vs_best_llamacpp"] >= 1.0,
+                  "moonshot_llamacpp": None if not lc else out["batch1_best_dspark_vs_best_llamacpp"] >= 1.0,
                   "propose_le_15pct": None if out["propose_share_of_plain_step_batch1"] is None
                   else out["propose_share_of_plain_step_batch1"] <= 0.15}
     return out
@@ -398,6 +408,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-hf", action="store_true", help="skip the transformers baselines")
     p.add_argument("--no-llamacpp", action="store_true", help="skip the llama.cpp baselines")
     p.add_argument("--no-t1", action="store_true", help="skip the T = 1 runs")
+    p.add_argument("--no-q4-1", action="store_true",
+                   help="skip the batch-1 dspark / plain cells on the Q4_1 int4 target (`--dtype q4_1`, "
+                        "the GGUF's own 4-bit weights: what llama.cpp's Q4_1 column runs)")
     p.add_argument("--stop-at-eos", action="store_true",
                    help="greedy requests stop at eos (default: each generates exactly as many tokens as "
                         "plain decoding does for its prompt, so every policy does the same work; in "
@@ -427,6 +440,46 @@ def rescore(path: Path) -> dict:
     return result
 
 
+@dataclass
+class BenchBuild:
+    """One target build the bench times (the spec's dtype, or the Q4_1 int4 weights): its engine
+    parts, the steps/second table its scheduler reads, plain decoding's greedy text and lengths
+    on it, and the drafting cost its dspark runs share."""
+
+    spec: wiring.Spec
+    target: object
+    drafter: object
+    sps_source: str
+    reference: list[list[int]]
+    matched: int | list[int]
+    same_text: SameTextTarget | None
+    draft_cost: DraftCost
+
+
+def bench_build(spec: wiring.Spec, target, drafter, prompts: list[list[int]], args: argparse.Namespace,
+                sizes: list[int], greedy: SamplingParams) -> BenchBuild:
+    """The scheduler's table (the shipped one for this model and dtype; else profiled now over
+    `sizes`, since the scheduler must see THIS machine's step cost) and plain decoding's greedy
+    text: each prompt's text and length as plain decoding stops it at eos (an untimed pass),
+    then generated exactly by every policy (T = 1 cells stop at eos: their lengths are random
+    anyway), and decoded as that same text unless --free-text (`SameTextTarget`)."""
+    shipped = wiring.sps_table_path(spec.model_key, spec.dtype)
+    sps_source = spec.sps
+    if spec.sps == "profile" or (spec.sps == "auto" and target.device.type == "cpu"
+                                 and not (shipped is not None and shipped.is_file())):
+        name = "_".join(filter(None, [spec.model_key or "model", wiring.QUANTIZED.get(spec.dtype)]))
+        sps_path = paths.MODELS / ".cache" / f"sps_bench_{name}.json"
+        quick_sps(target, sorted(set(sizes))).save(sps_path)
+        spec, sps_source = replace(spec, sps=str(sps_path)), "profiled now by dspark bench"
+    elif spec.sps == "auto" and shipped is not None:
+        sps_source = f"auto: {paths.relative(shipped)}"
+    plain_engine = wiring.build_engine(replace(spec, policy="plain"), target=target, drafter=None)
+    reference = plain_engine.generate(prompts, args.max_tokens, greedy)
+    matched: int | list[int] = args.max_tokens if args.stop_at_eos else [len(o) for o in reference]
+    same_text = None if args.free_text else SameTextTarget(target, dict(zip(map(tuple, prompts), reference)))
+    return BenchBuild(spec, target, drafter, sps_source, reference, matched, same_text, DraftCost())
+
+
 def main(args: argparse.Namespace) -> int:
     if args.rescore:
         result = rescore(Path(args.rescore))
@@ -448,57 +501,59 @@ def main(args: argparse.Namespace) -> int:
     prompts, prompt_source = load_prompts(spec.model_key, args.domains.split(","), args.n_prompts,
                                           target.tokenizer)
     prompts = [p[-(spec.max_seq_len - args.max_tokens - spec.gamma - 2):] for p in prompts]
-    shipped = wiring.SPS_TABLES.get(spec.model_key or "")
-    sps_source = spec.sps
-    if spec.sps == "profile" or (spec.sps == "auto" and target.device.type == "cpu"
-                                 and not (shipped is not None and shipped.is_file())):
-        # the scheduler must see THIS machine's step cost: measure the buckets this run uses
-        b_max = max(concurrency) * (spec.gamma + 1)
-        sizes = sorted({b for b in (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256)
-                        if b <= b_max} | {b_max})
-        sps_path = paths.MODELS / ".cache" / f"sps_bench_{spec.model_key or 'model'}.json"
-        quick_sps(target, sizes).save(sps_path)
-        spec, sps_source = replace(spec, sps=str(sps_path)), "profiled now by dspark bench"
+    greedy, t1 = SamplingParams(), SamplingParams(temperature=1.0, seed=0)
+    b_max = max(concurrency) * (spec.gamma + 1)  # the largest step this run sends
+    sizes = sorted({b for b in (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256)
+                    if b <= b_max} | {b_max})
+    main_build = bench_build(spec, target, drafter, prompts, args, sizes, greedy)
+    builds = {"": main_build}
+    if not args.no_q4_1 and spec.dtype not in wiring.QUANTIZED and target.device.type == "cpu":
+        q4_spec = replace(spec, dtype="q4_1")
+        try:
+            q4_target = wiring.load_target(q4_spec)
+        except (FileNotFoundError, ValueError) as e:
+            print(f"dspark bench: no Q4_1 cells ({e})")
+        else:  # batch 1 only: the int4 verify's cost by rows up to one full block
+            builds["q4_1"] = bench_build(q4_spec, q4_target, wiring.load_drafter(q4_spec, q4_target),
+                                         prompts, args, [b for b in sizes if b <= spec.gamma + 1]
+                                         + [spec.gamma + 1], greedy)
+    spec, sps_source, reference, matched = (main_build.spec, main_build.sps_source, main_build.reference,
+                                            main_build.matched)
     sps_table = wiring.load_sps(spec, target.device)
     # a running server has long since measured what drafting and its steps cost on this machine
     # and learned its survival curve: runs of a policy stand for one warm server, not cold starts
     # (the cold start is in the live frontier's warm-up)
-    draft_cost = DraftCost()
-    warm: dict[tuple[str, bool], Policy] = {}  # (policy, greedy) -> its last run's policy
+    warm: dict[tuple[str, bool, str], Policy] = {}  # (policy, greedy, build) -> its last run's policy
 
-    def engine(policy: str, params: SamplingParams, d=drafter, free_text: bool = False):
-        on = same_text if same_text is not None and params.greedy and not free_text else target
-        eng = wiring.build_engine(replace(spec, policy=policy), target=on,
-                                  drafter=None if policy == "plain" else d)
+    def engine(policy: str, params: SamplingParams, build: str = "", free_text: bool = False):
+        b = builds[build]
+        on = b.same_text if b.same_text is not None and params.greedy and not free_text else b.target
+        eng = wiring.build_engine(replace(b.spec, policy=policy), target=on,
+                                  drafter=None if policy == "plain" else b.drafter)
         if eng.policy is not None and eng.policy.counts_drafting:
-            eng.policy.draft_cost = draft_cost
-            if (policy, params.greedy) in warm:
-                eng.policy.warm_from(warm[policy, params.greedy])
-            warm[policy, params.greedy] = eng.policy
+            eng.policy.draft_cost = b.draft_cost
+            if (policy, params.greedy, build) in warm:
+                eng.policy.warm_from(warm[policy, params.greedy, build])
+            warm[policy, params.greedy, build] = eng.policy
         return eng
 
-    greedy, t1 = SamplingParams(), SamplingParams(temperature=1.0, seed=0)
-    # greedy cells: each prompt's text and length as plain decoding stops it at eos (an untimed
-    # pass), then generated exactly by every policy (T = 1 cells stop at eos: their lengths are
-    # random anyway), and decoded as that same text unless --free-text (`SameTextTarget`)
-    plain_engine = wiring.build_engine(replace(spec, policy="plain"), target=target, drafter=None)
-    reference = plain_engine.generate(prompts, args.max_tokens, greedy)
-    matched: int | list[int] = args.max_tokens if args.stop_at_eos else [len(o) for o in reference]
-    same_text = None if args.free_text else SameTextTarget(target, dict(zip(map(tuple, prompts), reference)))
     n_b1 = len(prompts)
-    cells = [[("batch1_dspark", "dspark", 1, greedy), ("batch1_plain", "plain", 1, greedy)]]
+    cells = [[("batch1_dspark", "dspark", 1, greedy, ""), ("batch1_plain", "plain", 1, greedy, "")]]
+    if "q4_1" in builds:
+        cells += [[("batch1_q4_1_dspark", "dspark", 1, greedy, "q4_1"),
+                   ("batch1_q4_1_plain", "plain", 1, greedy, "q4_1")]]
     if not args.no_t1:
-        cells += [[("batch1_T1_dspark", "dspark", 1, t1), ("batch1_T1_plain", "plain", 1, t1)]]
-    cells += [[(f"c{c}_{p}", p, c, greedy) for p in POLICIES] for c in concurrency]
+        cells += [[("batch1_T1_dspark", "dspark", 1, t1, ""), ("batch1_T1_plain", "plain", 1, t1, "")]]
+    cells += [[(f"c{c}_{p}", p, c, greedy, "") for p in POLICIES] for c in concurrency]
     # every cell `repeats` times, its policies side by side in an order rotated per repeat, so a
     # slow spell of this shared machine hits each policy alike; the median run is reported
     jobs = [cell[(i + k) % len(cell)]
             for i in range(args.repeats) for cell in cells for k in range(len(cell))]
     tries: dict[str, list[dict]] = {}
-    for name, policy, c, params in tqdm(jobs, desc="dspark bench", unit="run"):
+    for name, policy, c, params, build in tqdm(jobs, desc="dspark bench", unit="run"):
         tries.setdefault(name, []).append(
-            run_closed_loop(engine(policy, params), prompts, c, max(c * args.waves, n_b1),
-                            matched if params.greedy else args.max_tokens, params))
+            run_closed_loop(engine(policy, params, build), prompts, c, max(c * args.waves, n_b1),
+                            builds[build].matched if params.greedy else args.max_tokens, params))
     runs: dict[str, dict] = {}
     for name, rs in tries.items():
         runs[name] = sorted(rs, key=lambda r: r["aggregate"])[len(rs) // 2]
@@ -508,13 +563,29 @@ def main(args: argparse.Namespace) -> int:
         if plain is not None and "_T1_" not in name:
             run["same_as_plain"] = same_text_share(run["outputs"], plain["outputs"])
     # what a free greedy run decodes (untimed, batch 1): where and why its bf16 text parts from plain's
-    free_engine = engine("dspark", greedy, free_text=True)
-    free = run_closed_loop(free_engine, prompts, 1, n_b1, matched, greedy)["outputs"]
-    same = free == reference
-    parted = divergence(target, prompts, reference, free)
+    free: dict[str, list[list[int]]] = {}
+    for build, b in builds.items():
+        free[build] = run_closed_loop(engine("dspark", greedy, build, free_text=True), prompts, 1, n_b1,
+                                      b.matched, greedy)["outputs"]
+    same = free[""] == reference
+    parted = divergence(target, prompts, reference, free[""])
     batch1 = {"dspark": runs["batch1_dspark"]["aggregate"], "plain": runs["batch1_plain"]["aggregate"],
               "hf_plain": None, "hf_assisted": None, "hf_prompt_lookup": None,
               "llamacpp_q4_1": None, "llamacpp_bf16": None, "llamacpp_prompt_lookup": None}
+    q4_1 = None
+    if "q4_1" in builds:
+        b = builds["q4_1"]
+        batch1.update(dspark_q4_1=runs["batch1_q4_1_dspark"]["aggregate"],
+                      plain_q4_1=runs["batch1_q4_1_plain"]["aggregate"])
+        q4_1 = {"tau": runs["batch1_q4_1_dspark"]["tau"],
+                "step_ms": {k: runs["batch1_q4_1_dspark"]["step_ms"][k]
+                            for k in ("draft", "schedule", "verify", "accept")},
+                "plain_step_ms": runs["batch1_q4_1_plain"]["step_ms"]["verify"],
+                "sps": b.sps_source, "sps_table": wiring.load_sps(b.spec, b.target.device).to_dict(),
+                "greedy_lengths": b.matched,
+                "greedy_dspark_equals_plain": free["q4_1"] == b.reference,
+                "free_text_same_as_plain": same_text_share(free["q4_1"], b.reference),
+                "greedy_divergence": divergence(b.target, prompts, b.reference, free["q4_1"])}
     eos = list(target.eos_token_ids)
     baselines: dict[str, dict] = {}
     if not args.no_hf:
@@ -548,7 +619,8 @@ def main(args: argparse.Namespace) -> int:
         "propose_share_of_plain_step_batch1": None if propose is None else propose / plain_step,
         "greedy_dspark_equals_plain_batch1": same,
         "greedy_divergence_batch1": parted,
-        "free_text_same_as_plain_batch1": same_text_share(free, reference),
+        "free_text_same_as_plain_batch1": same_text_share(free[""], reference),
+        "q4_1": q4_1,
         "runs": {k: {kk: vv for kk, vv in v.items() if kk != "outputs"} for k, v in runs.items()},
         "baselines": baselines,
         "config": {"model": spec.model, "dtype": str(target.dtype).replace("torch.", ""),
@@ -558,7 +630,7 @@ def main(args: argparse.Namespace) -> int:
                    "max_tokens": args.max_tokens, "repeats": args.repeats, "waves": args.waves,
                    "device": str(target.device),
                    "greedy_lengths": "stop at eos" if args.stop_at_eos else matched,
-                   "same_text": same_text is not None,
+                   "same_text": main_build.same_text is not None,
                    "threads": torch.get_num_threads(),
                    "torch": torch.__version__, "load_avg_1min": _load_avg()},
     }
@@ -587,7 +659,7 @@ def plot(result: dict, path: Path) -> None:
 
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.2))
     b1 = {k: v for k, v in result["batch1_tokens_per_s"].items() if v is not None}
-    ax1.bar(list(b1), list(b1.values()), color=["C3" if k == "dspark" else "C0" for k in b1])
+    ax1.bar(list(b1), list(b1.values()), color=["C3" if k.startswith("dspark") else "C0" for k in b1])
     ax1.set(ylabel="tokens/s", title="batch 1, greedy")
     ax1.tick_params(axis="x", rotation=30, labelsize=7)
     for i, policy in enumerate(POLICIES):

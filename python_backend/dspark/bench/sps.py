@@ -9,7 +9,8 @@ processes only ever add time). Writes
 sps.json (device, model, batch_tokens, steps_per_second) and a PNG of SPS and step time.
 `--model` (default smollm2, in `--dtype auto`: what the server runs) goes through
 `dspark.wiring` like every entry point; the default output is the table wiring looks up for
-that model (results/sps_smollm2_cpu.json, results/sps_cpu.json for demo). `--model random`
+that model (results/sps_smollm2_cpu.json, results/sps_cpu.json for demo; with `--dtype q4_1`
+results/sps_smollm2_q4_1_cpu.json, `wiring.sps_table_path`). `--model random`
 profiles a random Qwen3 checkpoint (hidden 384, 6 layers, vocab 8192) created under /tmp.
 """
 
@@ -171,7 +172,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--threads", type=int, default=1, help="torch CPU threads")
-    p.add_argument("--out", default=None, help="default: the table dspark.wiring reads for this model")
+    p.add_argument("--out", default=None,
+                   help="default: the table dspark.wiring reads for this model and dtype")
     p.add_argument("--plot", default=None, help="PNG path (default: --out with .png)")
 
 
@@ -185,7 +187,7 @@ def main(args: argparse.Namespace) -> int:
     if target == "random":
         target = make_random_target()
     key = wiring.Spec(model=str(target)).model_key
-    out = args.out or str(wiring.SPS_TABLES.get(key or "", RESULTS / "sps_cpu.json"))
+    out = args.out or str(wiring.sps_table_path(key, args.dtype) or RESULTS / "sps_cpu.json")
     sizes = _ints(args.sizes)
     try:
         table = profile(target, sizes, args.context, args.tokens_per_request, args.repeats, args.warmup,
