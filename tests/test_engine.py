@@ -717,6 +717,29 @@ def test_bench_q4_1_cells_on_smollm2(smollm2_folder, tmp_path):
     assert result["goals"]["batch1_best_dspark_vs_best_llamacpp"] is None  # --no-llamacpp
 
 
+def test_bench_pairs_llamacpp_q4_1_with_our_q4_1_cells(smollm2_folder, tmp_path):
+    """With llama-cpp-python installed (an optional extra), llama.cpp on the Q4_1 GGUF runs as a
+    third arm of the Q4_1 cell, once per repeat beside ours, and the moonshot reads that pairing;
+    its BF16 and prompt-lookup variants still run once."""
+    import json
+
+    pytest.importorskip("llama_cpp")
+    from dspark.cli import main
+
+    out = tmp_path / "bench.json"
+    assert main(["bench", "--model", "smollm2", "--drafter", "ngram", "--domains", "code", "--n-prompts", "1",
+                 "--max-tokens", "8", "--concurrency", "1", "--no-hf", "--no-t1", "--num-threads", "1",
+                 "--repeats", "2", "--capacity", "2", "--out", str(out)]) == 0
+    result = json.loads(out.read_text())
+    arm = result["runs"]["batch1_q4_1_llamacpp"]
+    assert len(arm["aggregate_runs"]) == 2 and arm["tokens"] > 0
+    assert result["batch1_tokens_per_s"]["llamacpp_q4_1"] == arm["aggregate"]
+    assert "llamacpp_q4_1" not in result["baselines"]["llamacpp"]  # not run a second time
+    assert result["baselines"]["llamacpp"]["llamacpp_bf16"]["tokens_per_s"] > 0
+    goals = result["goals"]
+    assert goals["batch1_q4_1_vs_llamacpp_q4_1_paired"] > 0 and goals["batch1_best_dspark_vs_best_llamacpp"] > 0
+
+
 # ---- the real target: SmolLM2-135M-Instruct (skipped when it is not fetched) ----
 
 SMOL_POLICIES = ["none", "mtp1", "fixed:3", "threshold:0.5", "dspark-theory", "dspark"]

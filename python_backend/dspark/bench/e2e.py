@@ -273,39 +273,66 @@ def bf16_gguf(q4_1: Path, out: Path) -> Path:
     return out
 
 
-def llamacpp_baselines(gguf_q4: Path, prompts, max_tokens: int, eos: list[int], threads: int,
-                       gamma: int) -> dict:
-    """llama.cpp greedy at batch 1 on the Q4_1 GGUF, a BF16 GGUF of the same weights, and Q4_1 with
-    its prompt-lookup drafting. {} with a note when llama-cpp-python is not installed."""
-    try:
+class LlamaCpp:
+    """One llama.cpp model (llama-cpp-python) decoding greedy at batch 1 on its own text: each
+    prompt until eos or `max_tokens`, one after the other, the model loaded once (not timed)."""
+
+    def __init__(self, path: Path, threads: int, eos: list[int], draft=None) -> None:
         import llama_cpp
-        from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
+
+        self.path, self.eos = path, set(eos)
+        self.llm = llama_cpp.Llama(str(path), n_ctx=2048, n_threads=threads, n_batch=512, verbose=False,
+                                   draft_model=draft, logits_all=draft is not None)
+
+    def _one(self, prompt: list[int], n: int) -> list[int]:
+        out: list[int] = []
+        for tok in self.llm.generate(prompt, temp=0.0, top_k=1, reset=True):
+            out.append(int(tok))
+            if tok in self.eos or len(out) >= n:
+                break
+        return out
+
+    def run(self, prompts: list[list[int]], max_tokens: int) -> dict:
+        """Aggregate and per-user tokens/s like `run_closed_loop` at concurrency 1, and the texts."""
+        self._one(prompts[0], 4)  # warm-up
+        outputs, latency, t0 = [], [], time.perf_counter()
+        for p in prompts:
+            t1 = time.perf_counter()
+            outputs.append(self._one(p, max_tokens))
+            latency.append(time.perf_counter() - t1)
+        wall = time.perf_counter() - t0
+        tokens = sum(map(len, outputs))
+        return {"aggregate": tokens / wall, "tokens_per_s": tokens / wall, "tokens": tokens, "wall_s": wall,
+                "per_user": sum(len(o) / t for o, t in zip(outputs, latency)) / len(outputs),
+                "gguf": paths.relative(self.path), "outputs": outputs}
+
+
+def llamacpp_available() -> bool:
+    try:
+        import llama_cpp  # noqa: F401
     except ImportError:
+        return False
+    return True
+
+
+def llamacpp_baselines(gguf_q4: Path, prompts, max_tokens: int, eos: list[int], threads: int,
+                       gamma: int, q4_1: bool = True) -> dict:
+    """llama.cpp greedy at batch 1 on the Q4_1 GGUF (q4_1=False: left to the paired cell), a BF16
+    GGUF of the same weights, and Q4_1 with its prompt-lookup drafting, one run each. {} with a
+    note when llama-cpp-python is not installed."""
+    if not llamacpp_available():
         return {"note": "llama-cpp-python not installed (optional: scripts/install_llamacpp.sh)"}
+    import llama_cpp
+    from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
 
     def run(path: Path, draft=None) -> dict:
-        llm = llama_cpp.Llama(str(path), n_ctx=2048, n_threads=threads, n_batch=512, verbose=False,
-                              draft_model=draft, logits_all=draft is not None)
+        result = LlamaCpp(path, threads, eos, draft).run(prompts, max_tokens)
+        return {k: result[k] for k in ("tokens_per_s", "tokens", "wall_s", "gguf")}
 
-        def one(p: list[int], n: int) -> int:
-            got = 0
-            for tok in llm.generate(p, temp=0.0, top_k=1, reset=True):
-                got += 1
-                if tok in eos or got >= n:
-                    break
-            return got
-
-        one(prompts[0], 4)  # warm-up
-        tokens, t0 = 0, time.perf_counter()
-        for p in prompts:
-            tokens += one(p, max_tokens)
-        wall = time.perf_counter() - t0
-        return {"tokens_per_s": tokens / wall, "tokens": tokens, "wall_s": wall, "gguf": paths.relative(path)}
-
-    runs = {"llamacpp_q4_1": run(gguf_q4),
-            "llamacpp_bf16": run(bf16_gguf(gguf_q4, gguf_q4.with_name(gguf_q4.stem.replace("Q4_1", "BF16")
-                                                                      + ".gguf"))),
-            "llamacpp_prompt_lookup": run(gguf_q4, LlamaPromptLookupDecoding(num_pred_tokens=gamma))}
+    bf16 = bf16_gguf(gguf_q4, gguf_q4.with_name(gguf_q4.stem.replace("Q4_1", "BF16") + ".gguf"))
+    runs = {"llamacpp_q4_1": run(gguf_q4)} if q4_1 else {}
+    runs.update(llamacpp_bf16=run(bf16),
+                llamacpp_prompt_lookup=run(gguf_q4, LlamaPromptLookupDecoding(num_pred_tokens=gamma)))
     runs["version"] = llama_cpp.__version__
     return runs
 
@@ -357,6 +384,14 @@ def goals(result: dict) -> dict:
     hf = [b1[k] for k in ("hf_plain", "hf_assisted", "hf_prompt_lookup") if b1.get(k)]
     lc = [b1[k] for k in ("llamacpp_q4_1", "llamacpp_bf16", "llamacpp_prompt_lookup") if b1.get(k)]
     ours = [b1[k] for k in ("dspark", "dspark_q4_1") if b1.get(k)]  # our best speculative build
+    moonshot = max(ours) / max(lc) if lc else None
+    paired_lc = None  # dspark on Q4_1 ÷ llama.cpp Q4_1, paired per repeat (when it ran as an arm)
+    if "batch1_q4_1_llamacpp" in runs and "batch1_q4_1_dspark" in runs:
+        paired_lc = float(np.median(paired_ratios(runs, "batch1_q4_1_dspark", ["batch1_q4_1_llamacpp"])))
+        rest = [b1[k] for k in ("llamacpp_bf16", "llamacpp_prompt_lookup") if b1.get(k)]
+        # against Q4_1 the paired reading (or bf16 dspark's, if faster); the others run once
+        moonshot = min([max(paired_lc, b1["dspark"] / b1["llamacpp_q4_1"])]
+                       + [max(ours) / r for r in rest])
     others = {c: [f"c{c}_{p}" for p in row if p != "dspark"] for c, row in result["by_concurrency"].items()}
     best = {c: best_policy_ratios(runs, f"c{c}_dspark", o) for c, o in others.items()}
     never_slower = {c: float(np.median(r)) for c, (_, r) in best.items()}
@@ -378,7 +413,8 @@ def goals(result: dict) -> dict:
            "batch1_vs_best_llamacpp": b1["dspark"] / max(lc) if lc else None,
            "batch1_q4_1_vs_best_llamacpp":
            b1["dspark_q4_1"] / max(lc) if lc and b1.get("dspark_q4_1") else None,
-           "batch1_best_dspark_vs_best_llamacpp": max(ours) / max(lc) if lc else None,
+           "batch1_best_dspark_vs_best_llamacpp": moonshot,
+           "batch1_q4_1_vs_llamacpp_q4_1_paired": paired_lc,
            "batch1_q4_1_vs_plain_q4_1": float(np.median(paired_ratios(runs, "batch1_q4_1_dspark",
                                                                       ["batch1_q4_1_plain"])))
            if "batch1_q4_1_dspark" in runs else None,
@@ -538,10 +574,18 @@ def main(args: argparse.Namespace) -> int:
         return eng
 
     n_b1 = len(prompts)
+    eos = list(target.eos_token_ids)
+    gguf_q4 = paths.MODELS / ".cache" / "SmolLM2-135M-Instruct.Q4_1.gguf"
+    want_llamacpp = not args.no_llamacpp and spec.model_key == "smollm2" and gguf_q4.is_file()
+    # llama.cpp on the same Q4_1 weights as a third arm of the Q4_1 cell: paired with ours per
+    # repeat like every policy (its other variants run once, after our cells)
+    llama_q4 = (LlamaCpp(gguf_q4, spec.num_threads or torch.get_num_threads(), eos)
+                if want_llamacpp and "q4_1" in builds and llamacpp_available() else None)
     cells = [[("batch1_dspark", "dspark", 1, greedy, ""), ("batch1_plain", "plain", 1, greedy, "")]]
     if "q4_1" in builds:
         cells += [[("batch1_q4_1_dspark", "dspark", 1, greedy, "q4_1"),
-                   ("batch1_q4_1_plain", "plain", 1, greedy, "q4_1")]]
+                   ("batch1_q4_1_plain", "plain", 1, greedy, "q4_1")]
+                  + ([("batch1_q4_1_llamacpp", "llamacpp", 1, greedy, "q4_1")] if llama_q4 else [])]
     if not args.no_t1:
         cells += [[("batch1_T1_dspark", "dspark", 1, t1, ""), ("batch1_T1_plain", "plain", 1, t1, "")]]
     cells += [[(f"c{c}_{p}", p, c, greedy, "") for p in POLICIES] for c in concurrency]
@@ -551,6 +595,10 @@ def main(args: argparse.Namespace) -> int:
             for i in range(args.repeats) for cell in cells for k in range(len(cell))]
     tries: dict[str, list[dict]] = {}
     for name, policy, c, params, build in tqdm(jobs, desc="dspark bench", unit="run"):
+        if policy == "llamacpp":
+            assert llama_q4 is not None  # the arm exists only with it
+            tries.setdefault(name, []).append(llama_q4.run(prompts, args.max_tokens))
+            continue
         tries.setdefault(name, []).append(
             run_closed_loop(engine(policy, params, build), prompts, c, max(c * args.waves, n_b1),
                             builds[build].matched if params.greedy else args.max_tokens, params))
@@ -586,19 +634,20 @@ def main(args: argparse.Namespace) -> int:
                 "greedy_dspark_equals_plain": free["q4_1"] == b.reference,
                 "free_text_same_as_plain": same_text_share(free["q4_1"], b.reference),
                 "greedy_divergence": divergence(b.target, prompts, b.reference, free["q4_1"])}
-    eos = list(target.eos_token_ids)
     baselines: dict[str, dict] = {}
     if not args.no_hf:
         baselines["transformers"] = hf_baselines(wiring.model_folder(spec.model), prompts, args.max_tokens,
                                                  eos, spec.gamma, find_draft_lm(spec.model_key))
         for k in ("hf_plain", "hf_assisted", "hf_prompt_lookup"):
             batch1[k] = baselines["transformers"][k]
-    gguf_q4 = paths.MODELS / ".cache" / "SmolLM2-135M-Instruct.Q4_1.gguf"
-    if not args.no_llamacpp and spec.model_key == "smollm2" and gguf_q4.is_file():
+    if want_llamacpp:
         baselines["llamacpp"] = llamacpp_baselines(gguf_q4, prompts, args.max_tokens, eos,
-                                                   spec.num_threads or torch.get_num_threads(), spec.gamma)
+                                                   spec.num_threads or torch.get_num_threads(), spec.gamma,
+                                                   q4_1=llama_q4 is None)
         for k in ("llamacpp_q4_1", "llamacpp_bf16", "llamacpp_prompt_lookup"):
             batch1[k] = baselines["llamacpp"].get(k, {}).get("tokens_per_s")
+        if llama_q4 is not None:  # the paired arm's median run
+            batch1["llamacpp_q4_1"] = runs["batch1_q4_1_llamacpp"]["aggregate"]
     propose = runs["c1_dspark"]["propose_ms_by_requests"].get("1")
     plain_step = runs["c1_plain"]["step_ms"]["verify"]
     result = {
@@ -662,11 +711,12 @@ def plot(result: dict, path: Path) -> None:
     ax1.bar(list(b1), list(b1.values()), color=["C3" if k.startswith("dspark") else "C0" for k in b1])
     ax1.set(ylabel="tokens/s", title="batch 1, greedy")
     ax1.tick_params(axis="x", rotation=30, labelsize=7)
+    colours = {"dspark": "C3", "plain": "C1", "mtp1": "C2", "fixed:7": "C0"}  # dspark red, as in the bars
     for i, policy in enumerate(POLICIES):
         rows = result["by_concurrency"]
         xs = [rows[c][policy]["aggregate"] for c in rows]
         ys = [rows[c][policy]["per_user"] for c in rows]
-        ax2.plot(xs, ys, marker="o", color=f"C{3 if policy == 'dspark' else i}", label=policy)
+        ax2.plot(xs, ys, marker="o", color=colours.get(policy, f"C{4 + i}"), label=policy)
         for c, x, y in zip(rows, xs, ys):
             ax2.annotate(c, (x, y), fontsize=6)
     ax2.set(xlabel="aggregate tokens/s", ylabel="per-user tokens/s", title="closed-loop concurrency 1..32")
