@@ -190,6 +190,18 @@ def test_int4_linear_error(smollm2_folder):
     ref = x.float() @ w.dequantize().t()
     rel = ((got - ref).norm() / ref.norm()).item()
     assert rel < 5e-3, rel
+    # from DENSE_FROM_ROWS rows the same weights run dense in bf16: the int4 kernel's result up
+    # to the bf16 rounding of each weight
+    from dspark.runtime.quant import DENSE_FROM_ROWS
+
+    layer = Int4Linear(w)
+    wide = torch.randn(DENSE_FROM_ROWS, 1536, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
+    dense = layer(wide).float()
+    layer.dense = None  # the int4 kernel alone
+    int4 = layer(wide).float()
+    assert not torch.equal(dense, int4)  # two paths were taken
+    assert ((dense - int4).norm() / int4.norm()).item() < 5e-3
+    assert torch.equal(layer(x), Int4Linear(w)(x))  # below the threshold: the int4 kernel either way
 
 
 def test_q4_1_logits_within_tolerance_of_fp32(smollm2_folder, smollm2_fp32, prompts):

@@ -32,9 +32,13 @@ import torch
 
 from dspark.runtime.config import ModelConfig, rope_inv_freq
 from dspark.runtime.loader import load_config, ours_to_hf
-from dspark.runtime.model import Transformer
+from dspark.runtime.model import Dense, PackedLinear, Transformer, serving_linear
 
 GROUP = 32  # Q4_1 block size = the int4 kernel's group size
+# From this many rows a matmul runs the same weights dense (bf16, oneDNN-prepacked): torch's int4
+# kernel reads a quarter of the bytes, which wins at a few rows, but slows with rows far faster
+# (results/sps_smollm2_q4_1_cpu.json), so prefills and wide verifies take the dense copy
+DENSE_FROM_ROWS = 33
 LINEARS = {  # fused serving projection -> the HF weights it concatenates (rows in this order)
     ("self_attn", "qkv"): ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
     ("self_attn", "out"): ("self_attn.o_proj",),
@@ -105,11 +109,14 @@ def bf16_scale_error(w: Q4_1Tensor) -> tuple[float, float]:
 
 class Int4Linear:
     """y = x Wᵀ with W in torch's CPU int4 pack (groups of GROUP along the input), bf16 scale and
-    zero per group. Same call as `dspark.runtime.model.Dense`; bf16 in, bf16 out."""
+    zero per group. Same call as `dspark.runtime.model.Dense`; bf16 in, bf16 out. With `dense`
+    (default), inputs of DENSE_FROM_ROWS rows or more run a bf16 copy of the same weights, as the
+    kernel computes them ((q − 8)·scale + zero with the bf16 scale and zero, rounded to bf16):
+    one more copy of the weights in memory for a prefill several times faster."""
 
-    __slots__ = ("packed", "scales_and_zeros", "out_features", "in_features")
+    __slots__ = ("packed", "scales_and_zeros", "out_features", "in_features", "dense")
 
-    def __init__(self, w: Q4_1Tensor) -> None:
+    def __init__(self, w: Q4_1Tensor, dense: bool = True) -> None:
         n, k = w.shape
         if k % GROUP:
             raise ValueError(f"int4 weights need in_features divisible by {GROUP}, got {k}")
@@ -120,11 +127,18 @@ class Int4Linear:
         # kernel: w = (q - 8)·scale + zero; Q4_1: w = d·q + m  =>  scale = d, zero = m + 8d
         sz = torch.stack([d, m + 8 * d], dim=-1)  # [N, K/GROUP, 2] -> the kernel's [K/GROUP, N, 2]
         self.scales_and_zeros = sz.transpose(0, 1).contiguous().to(torch.bfloat16)
+        self.dense: Dense | PackedLinear | None = None
+        if dense:
+            scale, zero = self.scales_and_zeros.float().transpose(0, 1).unbind(-1)  # [N, K/GROUP] each
+            weight = (codes.float().view(n, k // GROUP, GROUP) - 8) * scale[..., None] + zero[..., None]
+            self.dense = serving_linear(weight.view(n, k).to(torch.bfloat16))
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         lead = x.shape[:-1]
-        y = torch.ops.aten._weight_int4pack_mm_for_cpu(x.reshape(-1, self.in_features), self.packed, GROUP,
-                                                       self.scales_and_zeros)
+        x2d = x.reshape(-1, self.in_features)
+        if self.dense is not None and x2d.shape[0] >= DENSE_FROM_ROWS:
+            return self.dense(x2d).view(*lead, self.out_features)
+        y = torch.ops.aten._weight_int4pack_mm_for_cpu(x2d, self.packed, GROUP, self.scales_and_zeros)
         return y.view(*lead, self.out_features)
 
 
