@@ -719,7 +719,8 @@ def plot(result: dict, path: Path) -> None:
         ax2.plot(xs, ys, marker="o", color=colours.get(policy, f"C{4 + i}"), label=policy)
         for c, x, y in zip(rows, xs, ys):
             ax2.annotate(c, (x, y), fontsize=6)
-    ax2.set(xlabel="aggregate tokens/s", ylabel="per-user tokens/s", title="closed-loop concurrency 1..32")
+    ax2.set(xlabel="aggregate tokens/s", ylabel="per-user tokens/s",
+            title=f"closed-loop concurrency {', '.join(result['by_concurrency'])}")
     ax2.legend(fontsize=8)
     cfg = result["config"]
     fig.suptitle(f"{cfg['model']} ({cfg['dtype']}), drafter {cfg['drafter']}, γ {cfg['gamma']}, "
