@@ -9,7 +9,9 @@ one run, on the same target and the same prompts (code, math, chat; greedy unles
   Q4_1 GGUF, on a BF16 GGUF of the same weights, and with its prompt-lookup drafting;
 - batch 1 greedy on the GGUF's own Q4_1 weights (`--dtype q4_1`, torch's int4 matmul; the
   weights llama.cpp's Q4_1 column reads): dspark and plain, each with that build's steps/second
-  table and decoding that build's plain text (`--no-q4-1` skips them);
+  table and decoding that build's plain text, and llama.cpp's Q4_1 decoding as a third arm run
+  beside them in every repeat (its other variants run once, after our cells; `--no-q4-1` skips
+  the cell);
 - batch 1 at T = 1 (sampled): dspark and plain;
 - closed-loop concurrency 1..32: aggregate and per-user tokens/s for dspark, plain, mtp1, fixed:7;
 - τ, the per-step time split of dspark at batch 1, the drafter's propose time per step, and the
