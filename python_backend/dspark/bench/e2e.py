@@ -45,6 +45,7 @@ from dspark.runtime.scheduler import Policy
 from dspark.runtime.sps import DraftCost
 
 POLICIES = ("dspark", "plain", "mtp1", "fixed:7")
+LLAMACPP = ("llamacpp_q4_1", "llamacpp_bf16", "llamacpp_prompt_lookup")  # its batch-1 columns
 FALLBACK_PROMPTS = {
     "code": ["Write a Python function that checks whether a number is prime.",
              "Write a Python class for a stack with push, pop and peek."],
@@ -304,7 +305,7 @@ class LlamaCpp:
             latency.append(time.perf_counter() - t1)
         wall = time.perf_counter() - t0
         tokens = sum(map(len, outputs))
-        return {"aggregate": tokens / wall, "tokens_per_s": tokens / wall, "tokens": tokens, "wall_s": wall,
+        return {"aggregate": tokens / wall, "tokens": tokens, "wall_s": wall,
                 "per_user": sum(len(o) / t for o, t in zip(outputs, latency)) / len(outputs),
                 "gguf": paths.relative(self.path), "outputs": outputs}
 
@@ -329,7 +330,7 @@ def llamacpp_baselines(gguf_q4: Path, prompts, max_tokens: int, eos: list[int], 
 
     def run(path: Path, draft=None) -> dict:
         result = LlamaCpp(path, threads, eos, draft).run(prompts, max_tokens)
-        return {k: result[k] for k in ("tokens_per_s", "tokens", "wall_s", "gguf")}
+        return {"tokens_per_s": result["aggregate"], **{k: result[k] for k in ("tokens", "wall_s", "gguf")}}
 
     bf16 = bf16_gguf(gguf_q4, gguf_q4.with_name(gguf_q4.stem.replace("Q4_1", "BF16") + ".gguf"))
     runs = {"llamacpp_q4_1": run(gguf_q4)} if q4_1 else {}
@@ -384,13 +385,13 @@ def goals(result: dict) -> dict:
     is the strictest reading of "never slower") and the ratios of the medians."""
     b1, runs = result["batch1_tokens_per_s"], result["runs"]
     hf = [b1[k] for k in ("hf_plain", "hf_assisted", "hf_prompt_lookup") if b1.get(k)]
-    lc = [b1[k] for k in ("llamacpp_q4_1", "llamacpp_bf16", "llamacpp_prompt_lookup") if b1.get(k)]
+    lc = [b1[k] for k in LLAMACPP if b1.get(k)]
     ours = [b1[k] for k in ("dspark", "dspark_q4_1") if b1.get(k)]  # our best speculative build
     moonshot = max(ours) / max(lc) if lc else None
     paired_lc = None  # dspark on Q4_1 ÷ llama.cpp Q4_1, paired per repeat (when it ran as an arm)
     if "batch1_q4_1_llamacpp" in runs and "batch1_q4_1_dspark" in runs:
         paired_lc = float(np.median(paired_ratios(runs, "batch1_q4_1_dspark", ["batch1_q4_1_llamacpp"])))
-        rest = [b1[k] for k in ("llamacpp_bf16", "llamacpp_prompt_lookup") if b1.get(k)]
+        rest = [b1[k] for k in LLAMACPP if k != "llamacpp_q4_1" and b1.get(k)]
         # against Q4_1 the paired reading (or bf16 dspark's, if faster); the others run once
         moonshot = min([max(paired_lc, b1["dspark"] / b1["llamacpp_q4_1"])]
                        + [max(ours) / r for r in rest])
@@ -621,7 +622,7 @@ def main(args: argparse.Namespace) -> int:
     parted = divergence(target, prompts, reference, free[""])
     batch1 = {"dspark": runs["batch1_dspark"]["aggregate"], "plain": runs["batch1_plain"]["aggregate"],
               "hf_plain": None, "hf_assisted": None, "hf_prompt_lookup": None,
-              "llamacpp_q4_1": None, "llamacpp_bf16": None, "llamacpp_prompt_lookup": None}
+              **dict.fromkeys(LLAMACPP)}
     q4_1 = None
     if "q4_1" in builds:
         b = builds["q4_1"]
@@ -646,7 +647,7 @@ def main(args: argparse.Namespace) -> int:
         baselines["llamacpp"] = llamacpp_baselines(gguf_q4, prompts, args.max_tokens, eos,
                                                    spec.num_threads or torch.get_num_threads(), spec.gamma,
                                                    q4_1=llama_q4 is None)
-        for k in ("llamacpp_q4_1", "llamacpp_bf16", "llamacpp_prompt_lookup"):
+        for k in LLAMACPP:
             batch1[k] = baselines["llamacpp"].get(k, {}).get("tokens_per_s")
         if llama_q4 is not None:  # the paired arm's median run
             batch1["llamacpp_q4_1"] = runs["batch1_q4_1_llamacpp"]["aggregate"]
