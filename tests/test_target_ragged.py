@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from dspark.runtime.batch import RaggedBatch
 from dspark.runtime.engine import SpecEngine
@@ -216,6 +217,27 @@ def test_length_groups_attend_apart_and_match_one_padded_batch():
                  hd ** -0.5, grouped.max_new)
     assert (ours - ref).abs().max() <= 1e-5
     assert (ours - _attend_torch(q, k_cache, v_cache, padded, hd ** -0.5)).abs().max() <= 1e-5
+
+
+@pytest.mark.parametrize("rows, masked", [(3, False), (12, True)])
+def test_cpu_matmul_attention_equals_sdpa(rows, masked):
+    """`_sdpa`'s matmul path (taken on a CPU from MATH_ATTENTION_FROM requests x keys) computes
+    what torch's SDPA does: in f32 to 1e-5, in bf16 within a few bf16 roundings."""
+    from dspark.runtime import model as M
+
+    g = torch.Generator().manual_seed(2)
+    r, n_kv, s, hd = 4, 2, 200, 16
+    assert r * s >= M.MATH_ATTENTION_FROM  # this shape takes the matmul path
+    q = torch.randn(r, n_kv, rows, hd, generator=g)
+    k, v = (torch.randn(r, n_kv, s, hd, generator=g) for _ in range(2))
+    mask = None
+    if masked:  # causal over the last 4 positions, 3 query heads per kv head: (g, t) rows
+        q_pos = (s - 4 + torch.arange(4)).repeat(rows // 4)
+        mask = (torch.arange(s) <= q_pos[:, None])[None, None].expand(r, 1, rows, s)
+    ref = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=hd ** -0.5)
+    assert (M._sdpa(q, k, v, mask, hd ** -0.5) - ref).abs().max() <= 1e-5
+    bf = [t.bfloat16() for t in (q, k, v)]
+    assert (M._sdpa(*bf, mask, hd ** -0.5).float() - ref).abs().max() <= 0.03
 
 
 def test_verify_of_no_requests_is_empty(engine):

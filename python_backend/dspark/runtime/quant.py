@@ -37,8 +37,9 @@ from dspark.runtime.model import Dense, PackedLinear, Transformer, serving_linea
 GROUP = 32  # Q4_1 block size = the int4 kernel's group size
 # From this many rows a matmul runs the same weights dense (bf16, oneDNN-prepacked): torch's int4
 # kernel reads a quarter of the bytes, which wins at a few rows, but slows with rows far faster
-# (results/sps_smollm2_q4_1_cpu.json), so prefills and wide verifies take the dense copy
-DENSE_FROM_ROWS = 33
+# (results/sps_smollm2_q4_1_cpu.json: 8 rows cost the same either way, 10 rows 17 % more in
+# int4), so prefills, verifies and decodes of 10+ rows take the dense copy
+DENSE_FROM_ROWS = 10
 LINEARS = {  # fused serving projection -> the HF weights it concatenates (rows in this order)
     ("self_attn", "qkv"): ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
     ("self_attn", "out"): ("self_attn.o_proj",),
