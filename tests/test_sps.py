@@ -82,6 +82,10 @@ def test_profile_sps_on_tiny_checkpoint(tiny_ckpt, tmp_path):
 
     assert profile_sps.split_tokens(9, 4) == [3, 3, 3]
     assert profile_sps.split_tokens(1, 4) == [1]
+    # a grid cell (R, t) holds R·t tokens: mixed as dspark's budgets are, or t each
+    assert profile_sps.grid_lengths(4, 3) == [1, 5, 1, 5]
+    assert profile_sps.grid_lengths(3, 4) == [1, 7, 4] and profile_sps.grid_lengths(1, 8) == [8]
+    assert profile_sps.grid_lengths(5, 1) == [1] * 5 and profile_sps.grid_lengths(2, 3, mixed=False) == [3, 3]
     parser = argparse.ArgumentParser()
     profile_sps.add_arguments(parser)
     out = tmp_path / "sps.json"
@@ -92,6 +96,7 @@ def test_profile_sps_on_tiny_checkpoint(tiny_ckpt, tmp_path):
     table = SPSTable.load(out)
     assert table.batch_tokens == [1, 4, 16]
     assert table.ragged is not None and table.ragged["requests"] == [1, 3]
+    assert table.ragged["lengths"] == "mixed"  # the default
     assert all(len(row) == 3 and min(row) > 0 for row in table.ragged["seconds"])
     assert all(s > 0 for s in table.steps_per_second)
     assert table.device.startswith("cpu") and str(tiny_ckpt) in table.model
