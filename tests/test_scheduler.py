@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import pytest
 import torch
 
@@ -172,8 +173,9 @@ def count_anticipation_violations(spec: str, trials: int, seed: int = 0, draftin
                                   ragged: bool = False) -> int:
     """Perturb ĉ_{r,j+1..γ} (what a different d_{r,j} would give) and check that whether (r, i)
     is admitted, for every i ≤ j, never changes. Other rows may change (global interaction).
-    drafting_cost: Θ counts a random drafting time per step (the cost-aware budget), and the
-    survivals carry random recalibration factors (as if learned from past steps). ragged: the SPS
+    drafting_cost: Θ counts a random drafting time per step (the cost-aware budget) and a random
+    fitted forward (draft rows' price scale), and the survivals carry random recalibration
+    factors (as if learned from past steps). ragged: the SPS
     table carries a random (R, tokens per request) grid, so Θ's step time depends on R too."""
     gen = torch.Generator().manual_seed(seed)
     gamma, violations = 4, 0
@@ -187,6 +189,10 @@ def count_anticipation_violations(spec: str, trials: int, seed: int = 0, draftin
         recal = None
         if drafting_cost:  # past outcomes: predicted mass and acceptances per survival level
             recal = tuple(torch.rand(len(Policy.LEVELS), generator=gen).numpy() * 20 for _ in range(2))
+            a, b = (0.5 + 2 * torch.rand(2, generator=gen)).tolist()  # past forwards' price scales
+            for _ in range(DraftCost.VERIFY_MIN_STEPS):
+                base, rows = 0.02, float(torch.rand(1, generator=gen)) / 20
+                cost.observe_verify(num_requests, a * base + b * rows, base, rows)
         history = [random_batch(gen, num_requests, gamma)[0].cumprod(1) for _ in range(2)]
         conf, remaining = random_batch(gen, num_requests, gamma)
         r = int(torch.randint(0, num_requests, (1,), generator=gen))
@@ -364,6 +370,45 @@ def test_cost_rule_counts_whole_step_overheads():
     cost.observe_overhead(4, True, 0.008)
     assert cost.overhead(3, True) == pytest.approx(0.006) and cost.overhead(3, False) == 0.0
     assert cost.overheads() == {"drafted": {2: 0.004, 4: 0.008}, "plain": {}}
+
+
+def test_draft_rows_price_scale_is_fitted_and_shrinks_budgets():
+    """Drafted steps report their target forward (`observe_step(..., verify_seconds)`); the rule
+    fits forward ≈ a·(anchor rows' price) + b·(draft rows' price) per class of R. Draft rows
+    that cost twice their table price (live ragged budgets the grid underprices) make every draft
+    token dearer, so the budget shrinks; a forward that is slower as a whole (a busier machine)
+    is read as a = b, not as costly draft rows; nothing is fitted before VERIFY_MIN_STEPS."""
+    table = SPSTable([1, 4, 8, 16, 32], [100.0, 95.0, 80.0, 50.0, 28.0])
+    r, gamma = 4, 7
+    rem = torch.full((r,), 1000)
+    surv = torch.full((r, gamma), 0.8).cumprod(1)
+
+    def run(a: float, b: float, steps: int = 40) -> tuple[tuple[float, float], int]:
+        policy = make_policy("dspark", sps=table, gamma=gamma, draft_cost=DraftCost({r: 0.001}))
+        sps = policy.sps_for(r)
+        for i in range(steps):
+            batch = r + i % 20
+            base, rows = 1 / sps[r], 1 / sps[batch] - 1 / sps[r]
+            forward = a * base + b * rows
+            policy.observe_step(r, batch, True, 0.001 + forward + 0.0005, 0.001, forward)
+        for _ in range(3):
+            policy.decide(surv, rem)
+        return policy.draft_cost.verify_scale(r), policy.last_budget
+
+    (a1, b1), priced = run(1.0, 1.0)
+    (a2, b2), dear = run(1.0, 2.0)
+    assert (a1, b1) == pytest.approx((1.0, 1.0), abs=0.01) and b2 == pytest.approx(2.0, abs=0.1)
+    assert dear < priced
+    (a3, b3), _ = run(1.3, 1.3)
+    assert a3 == pytest.approx(1.3, abs=0.05) and b3 == pytest.approx(1.3, abs=0.05)
+    assert run(1.0, 2.0, steps=DraftCost.VERIFY_MIN_STEPS - 1)[0] == (1.0, 1.0)
+    rng = np.random.default_rng(0)  # noisy steps with little spread in the budget: a ≈ b
+    cost = DraftCost()
+    for _ in range(300):
+        rows = 0.027 + rng.normal(0, 0.001)
+        cost.observe_verify(32, 1.3 * (0.074 + rows) + rng.normal(0, 0.005), 0.074, rows)
+    assert cost.verify_scale(32) == pytest.approx((1.3, 1.3), abs=0.06)
+    assert list(cost.verify_scales()) == [32]
 
 
 def test_cost_rule_corrects_its_model_with_what_steps_delivered():

@@ -143,12 +143,30 @@ def test_ragged_grid_is_read_smoothed_over_two_or_more_tokens_per_request():
     assert marginal.min() > 0.5 * marginal.max()
     assert np.abs(smooth - line).max() < 0.8 * 0.010  # closer to the true cost than the noisy cell
     falling = line.copy()
-    falling[1:] = falling[1:][::-1]  # a curve that falls is fitted by a flat line, never below t = 1
+    falling[1:] = falling[1:][::-1]  # a curve that falls is read flat, never below t = 1
     assert np.all(np.diff(smooth_by_tokens(tokens, falling)) >= 0)
     grid = {"requests": [1, 2], "tokens_per_request": tokens.astype(int).tolist(),
             "seconds": [noisy.tolist(), (2 * noisy).tolist()]}
     table = SPSTable([1, 8], [100.0, 50.0], device="cpu", ragged=grid)
     assert 1.0 / table.rates_for(1, 8)[1:] == pytest.approx(np.interp(np.arange(1, 9), tokens, smooth))
+
+
+def test_grid_smoothing_keeps_an_upward_bend_and_cuts_a_downward_one_by_at_most_the_noise():
+    """Profiled curves (ms, R = 32 bf16 and R = 1 q4_1): the bf16 one bends upwards and its t = 2
+    cell, the mtp1-sized budget, is read as measured (a least-squares line priced it 20 % low);
+    the q4_1 one bends down where the int4 layers switch to dense weights, and no cell is priced
+    more than SMOOTH_MAX_CUT under its measurement; both never fall."""
+    from dspark.runtime.sps import SMOOTH_MAX_CUT
+
+    tokens = np.array([1, 2, 3, 4, 5, 6, 8, 12, 16], dtype=np.float64)
+    bf16 = np.array([74.1, 101.0, 134.1, 163.5, 200.7, 232.2, 288.5, 541.2, 662.2])
+    q4 = np.array([13.4, 14.1, 15.8, 16.3, 21.2, 22.6, 24.3, 30.7, 34.1])
+    for raw in (bf16, q4):
+        smooth = smooth_by_tokens(tokens, raw)
+        assert smooth[:2] == pytest.approx(raw[:2]) and smooth[-1] == pytest.approx(raw[-1])
+        assert np.all(np.diff(smooth) >= 0) and np.all(smooth >= (1 - SMOOTH_MAX_CUT) * raw - 1e-12)
+        assert np.all(smooth <= raw + 1e-12)
+    assert smooth_by_tokens(tokens, bf16)[7] < 0.95 * bf16[7]  # the slow t = 12 cell is pooled
 
 
 def test_quantized_weights_read_their_own_table_else_the_models(tmp_path, monkeypatch):

@@ -125,6 +125,9 @@ def run_closed_loop(engine, prompts: list[list[int]], concurrency: int, num_requ
             "step_overhead_ms_by_requests": {
                 kind: {str(r): 1e3 * s for r, s in by_r.items()} for kind, by_r in (
                     engine.policy.draft_cost.overheads().items() if engine.policy is not None else [])},
+            "verify_scale_by_requests": {
+                str(r): v for r, v in (engine.policy.draft_cost.verify_scales().items()
+                                       if engine.policy is not None else [])},
             "measured_tokens_per_s_by_requests": {
                 kind: {str(r): v for r, v in by_r.items()} for kind, by_r in (
                     engine.policy.draft_cost.measured_rates().items() if engine.policy is not None else [])},

@@ -255,7 +255,8 @@ class SpecEngine:
         clock["draft"] += time.perf_counter() - t
         t = time.perf_counter()
         logits, taps = self.target.verify(batch)
-        clock["verify"] += time.perf_counter() - t
+        verify_s = time.perf_counter() - t
+        clock["verify"] += verify_s
 
         t = time.perf_counter()
         uniforms = step_uniforms(reqs, keys, counters, g + 1, STREAM_VERIFY)
@@ -300,7 +301,7 @@ class SpecEngine:
         if self.policy is not None:  # the whole step, for the cost rule's step overheads and rates
             seconds = time.perf_counter() - t_step
             self.policy.observe_step(R, batch.num_tokens, self._step_drafter_calls > 0, seconds,
-                                     self._step_drafter_s)
+                                     self._step_drafter_s, verify_s)
             # the step as its mode costs: with the propose that made its drafts (last step), not
             # the one it ran for the next step
             speculative = survival is not None

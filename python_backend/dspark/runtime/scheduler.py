@@ -183,16 +183,23 @@ class Policy:
         self.draft_cost.observe(num_requests, seconds)
 
     def observe_step(self, num_requests: int, batch_tokens: int, drafted: bool, seconds: float,
-                     propose_seconds: float) -> None:
+                     propose_seconds: float, verify_seconds: float | None = None) -> None:
         """The engine reports a whole decode step: R requests, B verified tokens, whether it called
-        the drafter, its wall time and the part of it spent in propose. What the SPS table and
-        propose do not explain is the step's overhead (`DraftCost.overhead`)."""
+        the drafter, its wall time, the part of it spent in propose and (when known) in the
+        target forward. A drafted step's forward teaches the draft rows' price scale
+        (`DraftCost.verify_scale`); what the modelled forward and propose do not explain is the
+        step's overhead (`DraftCost.overhead`)."""
         if not self.counts_drafting or not 0 < batch_tokens <= self.max_batch_tokens:
             return
         sps = self.sps_for(num_requests)
         if sps is None:
             return
-        overhead = seconds - propose_seconds - 1.0 / sps[batch_tokens]
+        base = 1.0 / sps[min(num_requests, batch_tokens)]
+        rows = 1.0 / sps[batch_tokens] - base  # the table's price of the draft rows
+        if drafted and verify_seconds is not None:
+            self.draft_cost.observe_verify(num_requests, verify_seconds, base, rows)
+        a, b = self.draft_cost.verify_scale(num_requests) if drafted else (1.0, 1.0)
+        overhead = seconds - propose_seconds - a * base - b * rows
         self.draft_cost.observe_overhead(num_requests, drafted, overhead)
 
     def observe_rate(self, num_requests: int, speculative: bool, tokens: int, seconds: float) -> None:
@@ -214,12 +221,16 @@ class Policy:
 
     def step_rate(self, num_requests: int) -> np.ndarray | None:
         """Steps/second by token batch B for a drafted step of R requests: 1 / (t_draft(R) +
-        overhead(R) + 1/SPS_R(B)) when this policy counts drafting and a cost is known, else SPS_R."""
+        overhead(R) + a/SPS_R(R) + b·(1/SPS_R(B) − 1/SPS_R(R))), (a, b) = verify_scale(R), when
+        this policy counts drafting and a cost is known, else SPS_R."""
         sps = self.sps_for(num_requests)
         t_draft = self.draft_cost(num_requests) if self.counts_drafting else None
         if sps is None or not t_draft:
             return sps
-        drafted_s = t_draft + self.draft_cost.overhead(num_requests, True) + 1.0 / sps
+        base = 1.0 / sps[min(num_requests, len(sps) - 1)]
+        a, b = self.draft_cost.verify_scale(num_requests)
+        forward = a * base + b * (1.0 / sps - base)
+        drafted_s = t_draft + self.draft_cost.overhead(num_requests, True) + forward
         return 1.0 / np.maximum(drafted_s, MIN_STEP_S)
 
     def wants_draft(self, num_requests: int) -> bool:
@@ -363,8 +374,9 @@ class DSpark(Policy):
         """The drafting-cost rule (architecture §7): skip drafting the coming step when, on the
         survivals of past steps (the average sorted curve of the snapshots up to step t−2 before
         the step drafted now), the best speculative rate max_K (R + Σ top-K a) / (t_draft(R) +
-        o_d(R) + 1/SPS(R + K)) does not beat plain decoding's R / (1/SPS(R) + o_p(R)), with o_d
-        and o_p the measured overheads of whole drafted and plain steps (`DraftCost.overhead`).
+        o_d(R) + F_R(R + K)) does not beat plain decoding's R / (1/SPS(R) + o_p(R)), with F_R the
+        fitted forward of a drafted step (`step_rate`, `DraftCost.verify_scale`) and o_d and o_p
+        the measured overheads of whole drafted and plain steps (`DraftCost.overhead`).
         The average, not one snapshot: at low concurrency a single step's survivals are a noisy
         guess. Reads only past steps (snapshots and measured times), so it stays lossless.
         While skipping, a probe step drafts anyway so the average keeps learning: after

@@ -20,7 +20,7 @@ cost of B tokens depends on how many sequences hold them (each reads its own K/V
 64-token step of 32 requests costs ~1.5x one of 16), which a table by B alone prices at one
 fixed split. `rates_for(R)` reads the grid at R (linear in step time between profiled R and
 tokens per request, linear extrapolation past the largest of each); without a grid it is the
-table by B. Each R's curve over t >= 2 tokens per request is read SMOOTHED (`smooth_by_tokens`):
+table by B. Each R's curve over t >= 2 tokens per request is read CONVEX (`smooth_by_tokens`):
 one profiled cell is the fastest of a few steps on a shared CPU and is off by a few ms, and read
 raw those errors are fake cheap segments (R = 32: the 4th token per request priced at a third of
 the 3rd) that Θ's argmax jumps across, admitting tokens that do not pay. The table file keeps
@@ -150,19 +150,39 @@ class SPSTable:
                    d.get("model", "unknown"), d.get("padded"), d.get("ragged"))
 
 
+# how far `smooth_by_tokens` may price a profiled cell under its measurement: a cell is the
+# fastest of a few steps on a shared CPU, off by a few ms (up to ~10 % of a step)
+SMOOTH_MAX_CUT = 0.10
+
+
 def smooth_by_tokens(tokens: np.ndarray, seconds: np.ndarray) -> np.ndarray:
-    """Step seconds of one R by tokens per request, smoothed over t >= 2 by the least-squares
-    line (slope >= 0) where 3+ points exist; never below the t = 1 step, which stays measured (a
-    plain step is its own regime: no draft rows). A line, not a curve: a quadratic followed the
-    grid's concave bend (R = 8: t = 2 at 43 ms against 48 measured) and priced the second token
-    per request at half of what live steps pay."""
+    """Step seconds of one R by tokens per request, made convex over t >= 2 where the profile is
+    within noise of convex: the slopes between neighbouring cells are pooled where they fall
+    (pool-adjacent-violators, weighted by the gap in t, clipped at >= 0) from the t = 2 cell as
+    measured, no cell is priced more than SMOOTH_MAX_CUT under its measurement, and the curve
+    never falls nor goes below the t = 1 step, which stays measured (a plain step is its own
+    regime: no draft rows). A cell measured slow then no longer makes the next segment a fake
+    cheap one, while a cost that bends upwards is read as it bends and a real downward bend
+    (int4 layers switching to dense weights at `quant.DENSE_FROM_ROWS` rows) is not flattened
+    away. A least-squares line did the first but not the second: at 32 requests its intercept
+    priced t = 2 at 81 ms against 101 measured, the mtp1-sized budget that pays at high load."""
     rest = tokens >= 2
     if int(rest.sum()) < 3:
         return seconds
-    slope, intercept = np.polyfit(tokens[rest], seconds[rest], 1)
     out = np.array(seconds, dtype=np.float64)
+    x, y = np.asarray(tokens, dtype=np.float64)[rest], out[rest]
+    widths = np.diff(x)
+    blocks: list[list[float]] = []  # [pooled slope, total width, segments pooled]
+    for slope, w in zip(np.diff(y) / widths, widths):
+        blocks.append([float(slope), float(w), 1])
+        while len(blocks) > 1 and blocks[-2][0] > blocks[-1][0]:
+            s2, w2, n2 = blocks.pop()
+            s1, w1, n1 = blocks.pop()
+            blocks.append([(s1 * w1 + s2 * w2) / (w1 + w2), w1 + w2, n1 + n2])
+    slopes = np.repeat([max(b[0], 0.0) for b in blocks], [int(b[2]) for b in blocks])
+    convex = y[0] + np.concatenate([[0.0], np.cumsum(slopes * widths)])
     floor = out[~rest].max() if (~rest).any() else 0.0  # the t = 1 step
-    out[rest] = np.maximum(intercept + max(slope, 0.0) * tokens[rest], floor)
+    out[rest] = np.maximum.accumulate(np.maximum(np.maximum(convex, (1.0 - SMOOTH_MAX_CUT) * y), floor))
     return out
 
 
@@ -229,10 +249,18 @@ class DraftCost:
     """What a step costs beyond the target forward the SPS table prices (architecture §7, drafting
     cost), by request count R, learned online by the engine or given up front:
     - `t_draft(R)` (calling the object): seconds of drafter.propose;
+    - `verify_scale(R)` = (a, b): a drafted step's target forward ≈ a·base + b·rows, with base =
+      1/SPS(R) the table's price of the R anchor rows and rows = 1/SPS(B) − 1/SPS(R) that of the
+      draft rows. Live ragged budgets are priced by grid cells that mix lengths one fixed way;
+      where they cost more, b > a and the price of every draft token rises with it, so budgets
+      shrink until what they cost and what they are priced at agree (an additive overhead fed
+      back the other way: learned at a large budget it made every token look relatively
+      cheaper, and budgets grew);
     - `overhead(R, drafted)`: the rest of a whole step's wall time, measured minus propose minus
-      1/SPS(B): acceptance, the drafter's extend, host work and, behind Triton, the hops to the
-      `target` and `drafter` models. Kept apart for steps that call the drafter and for plain
-      steps, so the rule compares whole drafted steps with whole plain steps;
+      the modelled forward (a·base + b·rows drafted, 1/SPS(R) plain): acceptance, the drafter's
+      extend, host work and, behind Triton, the hops to the `target` and `drafter` models. Kept
+      apart for steps that call the drafter and for plain steps, so the rule compares whole
+      drafted steps with whole plain steps;
     - what steps delivered (`observe_rate`: tokens and wall time of whole steps, per R and mode):
       `plain_rate(R)`, the measured plain tokens/second, and `speculative_correction(R)`, the
       ratio of the measured speculative rate to what the rule's model predicted for those
@@ -245,6 +273,10 @@ class DraftCost:
     # (confident drafts, rejected) drive it so low that the rule stops drafting on the easy ones
     # that follow, whose survivals it no longer sees but at probes.
     CORRECTION_RANGE = (0.8, 1.25)
+    VERIFY_SCALE_RANGE = (0.5, 3.0)
+    VERIFY_MIN_STEPS = 16  # drafted steps of R's class before its scales are fitted
+    VERIFY_ALPHA = 0.05  # the forward's scales average over ~the last 40 drafted steps
+    VERIFY_RIDGE = 0.003  # pull of the draft-row scale towards the anchor-row one
 
     def __init__(self, seconds: dict[int, float] | None = None, alpha: float = 0.2,
                  learn: bool = True, overhead_alpha: float = 0.1) -> None:
@@ -256,6 +288,8 @@ class DraftCost:
         # (R, speculative) -> [steps seen, EMA of tokens per step, EMA of seconds per step]
         self._rates: dict[tuple[int, bool], list[float]] = {}
         self._predicted: dict[int, list[float]] = {}  # R -> [predictions, EMA of the predicted rate]
+        # class of R (R.bit_length()) -> [steps, EMAs of base², base·rows, rows², base·y, rows·y]
+        self._verify: dict[int, list[float]] = {}
 
     def observe(self, num_requests: int, seconds: float) -> None:
         if self.learn:
@@ -268,6 +302,34 @@ class DraftCost:
     def observe_overhead(self, num_requests: int, drafted: bool, seconds: float) -> None:
         if self.learn:
             self._overhead[drafted].observe(num_requests, seconds)
+
+    def observe_verify(self, num_requests: int, seconds: float, base_s: float, rows_s: float) -> None:
+        """A drafted step's target forward took `seconds`; the table prices its R anchor rows at
+        `base_s` and its draft rows at `rows_s` more."""
+        if self.learn:
+            self._average(self._verify.setdefault(num_requests.bit_length(), [0] + [0.0] * 5),
+                          base_s * base_s, base_s * rows_s, rows_s * rows_s, base_s * seconds,
+                          rows_s * seconds, alpha=self.VERIFY_ALPHA)
+
+    def verify_scale(self, num_requests: int) -> tuple[float, float]:
+        """(anchor-row, draft-row) scales for R's class (R.bit_length(): they vary slowly with R):
+        the forward ≈ a·base + b·rows, least squares over recent drafted steps, pulled towards
+        a = b (ridge) so that a forward that is slower as a whole (a busier machine than the
+        profile's) is not read as costly draft rows when budgets vary little. Within
+        VERIFY_SCALE_RANGE; (1, 1) until VERIFY_MIN_STEPS drafted steps."""
+        cell = self._verify.get(num_requests.bit_length())
+        if cell is None or cell[0] < self.VERIFY_MIN_STEPS or cell[3] <= 0:
+            return 1.0, 1.0
+        s11, s12, s22, s1y, s2y = cell[1:]
+        ridge = self.VERIFY_RIDGE * (s11 + s22)
+        m = np.array([[s11 + ridge, s12 - ridge], [s12 - ridge, s22 + ridge]])
+        a, b = np.linalg.solve(m, np.array([s1y, s2y]))
+        lo, hi = self.VERIFY_SCALE_RANGE
+        return float(min(max(a, lo), hi)), float(min(max(b, lo), hi))
+
+    def verify_scales(self) -> dict[int, list[float]]:
+        """{R class's smallest R: [a, b]} (for reports)."""
+        return {1 << (c - 1): list(self.verify_scale(1 << (c - 1))) for c in sorted(self._verify)}
 
     def overhead(self, num_requests: int, drafted: bool) -> float:
         """Seconds a step of R requests takes beyond propose and the SPS table (0 until measured)."""
@@ -289,11 +351,11 @@ class DraftCost:
             return
         self._average(self._predicted.setdefault(num_requests, [0, 0.0]), rate)
 
-    def _average(self, cell: list[float], *values: float) -> None:
+    def _average(self, cell: list[float], *values: float, alpha: float | None = None) -> None:
         """One more observation: cell[0] counts them, cell[1:] average `values`: the plain mean
-        for the first 1/α, a moving average (weight α on the newest) after."""
+        for the first 1/α, a moving average (weight α, default RATE_ALPHA, on the newest) after."""
         cell[0] += 1
-        w = max(self.RATE_ALPHA, 1.0 / cell[0])
+        w = max(self.RATE_ALPHA if alpha is None else alpha, 1.0 / cell[0])
         for i, v in enumerate(values, 1):
             cell[i] += w * (v - cell[i])
 
