@@ -290,6 +290,7 @@ class DraftCost:
         self._predicted: dict[int, list[float]] = {}  # R -> [predictions, EMA of the predicted rate]
         # class of R (R.bit_length()) -> [steps, EMAs of base², base·rows, rows², base·y, rows·y]
         self._verify: dict[int, list[float]] = {}
+        self._scales: dict[int, tuple[float, float]] = {}  # class of R -> fitted (a, b)
 
     def observe(self, num_requests: int, seconds: float) -> None:
         if self.learn:
@@ -305,11 +306,20 @@ class DraftCost:
 
     def observe_verify(self, num_requests: int, seconds: float, base_s: float, rows_s: float) -> None:
         """A drafted step's target forward took `seconds`; the table prices its R anchor rows at
-        `base_s` and its draft rows at `rows_s` more."""
-        if self.learn:
-            self._average(self._verify.setdefault(num_requests.bit_length(), [0] + [0.0] * 5),
-                          base_s * base_s, base_s * rows_s, rows_s * rows_s, base_s * seconds,
-                          rows_s * seconds, alpha=self.VERIFY_ALPHA)
+        `base_s` and its draft rows at `rows_s` more. Refits R's class (`verify_scale`)."""
+        if not self.learn:
+            return
+        c = num_requests.bit_length()
+        cell = self._verify.setdefault(c, [0] + [0.0] * 5)
+        self._average(cell, base_s * base_s, base_s * rows_s, rows_s * rows_s, base_s * seconds,
+                      rows_s * seconds, alpha=self.VERIFY_ALPHA)
+        if cell[0] >= self.VERIFY_MIN_STEPS and cell[3] > 0:
+            s11, s12, s22, s1y, s2y = cell[1:]
+            ridge = self.VERIFY_RIDGE * (s11 + s22)
+            m = np.array([[s11 + ridge, s12 - ridge], [s12 - ridge, s22 + ridge]])
+            a, b = np.linalg.solve(m, np.array([s1y, s2y]))
+            lo, hi = self.VERIFY_SCALE_RANGE
+            self._scales[c] = (float(min(max(a, lo), hi)), float(min(max(b, lo), hi)))
 
     def verify_scale(self, num_requests: int) -> tuple[float, float]:
         """(anchor-row, draft-row) scales for R's class (R.bit_length(): they vary slowly with R):
@@ -317,15 +327,7 @@ class DraftCost:
         a = b (ridge) so that a forward that is slower as a whole (a busier machine than the
         profile's) is not read as costly draft rows when budgets vary little. Within
         VERIFY_SCALE_RANGE; (1, 1) until VERIFY_MIN_STEPS drafted steps."""
-        cell = self._verify.get(num_requests.bit_length())
-        if cell is None or cell[0] < self.VERIFY_MIN_STEPS or cell[3] <= 0:
-            return 1.0, 1.0
-        s11, s12, s22, s1y, s2y = cell[1:]
-        ridge = self.VERIFY_RIDGE * (s11 + s22)
-        m = np.array([[s11 + ridge, s12 - ridge], [s12 - ridge, s22 + ridge]])
-        a, b = np.linalg.solve(m, np.array([s1y, s2y]))
-        lo, hi = self.VERIFY_SCALE_RANGE
-        return float(min(max(a, lo), hi)), float(min(max(b, lo), hi))
+        return self._scales.get(num_requests.bit_length(), (1.0, 1.0))
 
     def verify_scales(self) -> dict[int, list[float]]:
         """{R class's smallest R: [a, b]} (for reports)."""
