@@ -173,18 +173,21 @@ def test_decode_step_equals_each_request_alone(engine, prefix_lens):
         assert (taps[r] - ref_taps[0]).abs().max() <= 1e-5
 
 
-def test_torch_attention_matches_the_kernel_contract():
+@pytest.mark.parametrize("lens", [[4, 1, 3], [3, 3, 3], [5]])
+def test_torch_attention_matches_the_kernel_contract(lens):
     """The CPU path and dspark_kernels.varlen_attention (torch reference on CPU, Triton on
-    CUDA) compute the same thing from the same arguments, so the CUDA dispatch is a drop-in."""
+    CUDA) compute the same thing from the same arguments, so the CUDA dispatch is a drop-in:
+    ragged (padded query rows), uniform and single-request batches (no padding: no scatter)."""
     from dspark.runtime.model import _attend_torch, build_attn_meta
     from dspark_kernels.varlen_attention import varlen_attention as varlen
 
     g = torch.Generator().manual_seed(0)
     n_heads, n_kv, hd, cap, max_len = 6, 2, 16, 5, 40
     k_cache, v_cache = (torch.randn(cap, n_kv, max_len, hd, generator=g) for _ in range(2))
-    batch = RaggedBatch.from_requests([3, 0, 4], [[1] * 4, [1], [1] * 3], [7, 20, 0])
+    batch = RaggedBatch.from_requests([3, 0, 4][:len(lens)], [[1] * n for n in lens], [7, 20, 0][:len(lens)])
     q = torch.randn(batch.num_tokens, n_heads, hd, generator=g)
     meta = build_attn_meta(batch.seq_idx, batch.positions, batch.cu_seqlens, batch.slots, n_heads // n_kv)
+    assert (meta.pad_index is None) == (len(set(lens)) == 1) and meta.mask is not None
     ours = _attend_torch(q, k_cache, v_cache, meta, hd ** -0.5)
     ref = varlen(q, k_cache, v_cache, meta.tok_slot, meta.positions, meta.cu_seqlens, meta.slots, hd ** -0.5,
                  meta.max_new)
@@ -235,9 +238,15 @@ def test_cpu_matmul_attention_equals_sdpa(rows, masked):
         q_pos = (s - 4 + torch.arange(4)).repeat(rows // 4)
         mask = (torch.arange(s) <= q_pos[:, None])[None, None].expand(r, 1, rows, s)
     ref = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=hd ** -0.5)
-    assert (M._sdpa(q, k, v, mask, hd ** -0.5) - ref).abs().max() <= 1e-5
+
+    def bias(dtype: torch.dtype) -> torch.Tensor | None:  # `_sdpa` takes the mask as 0 / -inf
+        if mask is None:
+            return None
+        return torch.zeros(mask.shape, dtype=dtype).masked_fill_(~mask, float("-inf"))
+
+    assert (M._sdpa(q, k, v, bias(torch.float32), hd ** -0.5) - ref).abs().max() <= 1e-5
     bf = [t.bfloat16() for t in (q, k, v)]
-    assert (M._sdpa(*bf, mask, hd ** -0.5).float() - ref).abs().max() <= 0.03
+    assert (M._sdpa(*bf, bias(torch.bfloat16), hd ** -0.5).float() - ref).abs().max() <= 0.03
 
 
 def test_verify_of_no_requests_is_empty(engine):

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol, cast
 
 import torch
@@ -148,13 +148,27 @@ class AttnMeta:
     max_new: int  # longest request in new tokens (T_max)
     kv_len: int  # keys to read per slot: max position + 1
     slot_start: int | None  # slots == slot_start + arange(R): read the cache as a view
-    pad_index: torch.Tensor | None  # [N] row of each token in the [R*T_max] padded layout (None: T_max == 1)
+    # [N] row of each token in the [R*T_max] padded layout; None when there is no padding (every
+    # request has T_max new tokens: a single request, or a uniform budget)
+    pad_index: torch.Tensor | None
     # [R, 1, G*T_max, kv_len] bool, True = attend (key position <= query position); None when
     # nothing needs masking, and on the CUDA kernel path (the kernel applies the same rule)
     mask: torch.Tensor | None
     # CPU path, requests of very different new-token counts: (token rows [N_g], the group's own
     # meta) per length group, attended apart (`length_groups`); None: one padded batch
     groups: list[tuple[torch.Tensor, AttnMeta]] | None = None
+    _bias: dict[torch.dtype, torch.Tensor] = field(default_factory=dict, repr=False)
+
+    def bias(self, dtype: torch.dtype) -> torch.Tensor | None:
+        """`mask` as an additive bias (0 where attended, −inf elsewhere) in `dtype`, built by the
+        first layer and reused by the others: SDPA turns a bool mask into this on every call,
+        two more ops in every layer of every masked verify."""
+        if self.mask is None:
+            return None
+        if dtype not in self._bias:
+            bias = torch.zeros(self.mask.shape, dtype=dtype, device=self.mask.device)
+            self._bias[dtype] = bias.masked_fill_(~self.mask, float("-inf"))
+        return self._bias[dtype]
 
 
 GROUP_MIN_SAVED_ROWS = 4  # padded query rows a length group must save to be attended apart
@@ -224,8 +238,8 @@ def build_attn_meta(seq_idx, positions, cu_seqlens, slots, n_groups: int,
         return AttnMeta(tok_slot, dev(positions), dev(seq_idx), dev(cu_seqlens), dev(slots), max_new, kv_len,
                         None, None, None, parts)
     keys = torch.arange(kv_len)
-    if max_new == 1:
-        pad_index, q_pos = None, positions.view(r, 1)
+    if max_new == 1 or positions.numel() == r * max_new:  # no padding: T_max new tokens each
+        pad_index, q_pos = None, positions.view(r, max_new)
     else:
         local = torch.arange(positions.numel()) - cu_seqlens[seq_idx]
         pad_index = seq_idx * max_new + local
@@ -261,39 +275,43 @@ def _attend_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         k = k_cache.narrow(2, 0, m.kv_len).index_select(0, m.slots)
         v = v_cache.narrow(2, 0, m.kv_len).index_select(0, m.slots)
     t = m.max_new
-    if m.pad_index is None:
+    if t == 1:
         qp = q.view(r, n_kv, g, hd)
     else:
-        qp = q.new_zeros(r * t, h, hd)
-        qp[m.pad_index] = q
+        if m.pad_index is not None:  # scatter into the padded [R*T_max] layout
+            qp = q.new_zeros(r * t, h, hd)
+            qp[m.pad_index] = q
+        else:
+            qp = q
         qp = qp.view(r, t, n_kv, g, hd).permute(0, 2, 3, 1, 4).reshape(r, n_kv, g * t, hd)
-    out = _sdpa(qp, k, v, m.mask, scale)
-    if m.pad_index is None:
+    out = _sdpa(qp, k, v, m.bias(q.dtype), scale)
+    if t == 1:
         return out.reshape(n, h, hd)
     out = out.view(r, n_kv, g, t, hd).permute(0, 3, 1, 2, 4).reshape(r * t, h, hd)
-    return out[m.pad_index]
+    return out if m.pad_index is None else out[m.pad_index]
 
 
 MATH_ATTENTION_FROM = 512  # requests x keys from which `_sdpa` takes the matmul path on a CPU
 MATH_ATTENTION_ROWS = 64  # ... for at most this many query rows per kv head (never a prefill)
 
 
-def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor | None,
           scale: float) -> torch.Tensor:
-    """softmax(q kᵀ · scale, masked) v for q [R, Hkv, rows, hd], k / v [R, Hkv, S, hd], mask
-    [R, 1, rows, S] (True = attend) or None. On a CPU from R·S >= MATH_ATTENTION_FROM, as two
-    batched matmuls and an f32 softmax (transformers' eager formula): ATen's flash kernel is built
+    """softmax(q kᵀ · scale + bias) v for q [R, Hkv, rows, hd], k / v [R, Hkv, S, hd], bias
+    [R, 1, rows, S] in q's dtype (0 = attend, −inf = masked: `AttnMeta.bias`) or None. On a
+    CPU from R·S >= MATH_ATTENTION_FROM, as two batched matmuls and an f32 softmax
+    (transformers' eager formula): ATen's flash kernel is built
     for long query blocks, and with the few query rows of a decode or verify it measured 2-3x
     slower on this CPU (R 32 x 256 keys, 1 token each: 0.90 ms a layer against 0.28 in bf16).
     Prefills keep the flash kernel: their [rows, S] scores would be large."""
     if (q.device.type != "cpu" or k.shape[0] * k.shape[2] < MATH_ATTENTION_FROM
             or q.shape[2] > MATH_ATTENTION_ROWS):
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=bias, scale=scale)
     k, v = k.contiguous(), v.contiguous()  # a cache view's batched matmul is as slow as SDPA
-    scores = torch.matmul(q, k.transpose(-1, -2))
-    if mask is not None:
-        scores = scores.masked_fill_(~mask, float("-inf"))
-    probs = torch.softmax(scores * scale, dim=-1, dtype=torch.float32).to(q.dtype)
+    scores = torch.matmul(q, k.transpose(-1, -2)).mul_(scale)
+    if bias is not None:
+        scores = scores.add_(bias)
+    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
     return torch.matmul(probs, v)
 
 
