@@ -238,7 +238,7 @@ def build_attn_meta(seq_idx, positions, cu_seqlens, slots, n_groups: int,
         return AttnMeta(tok_slot, dev(positions), dev(seq_idx), dev(cu_seqlens), dev(slots), max_new, kv_len,
                         None, None, None, parts)
     keys = torch.arange(kv_len)
-    if max_new == 1 or positions.numel() == r * max_new:  # no padding: T_max new tokens each
+    if positions.numel() == r * max_new:  # no padding: every request has T_max new tokens
         pad_index, q_pos = None, positions.view(r, max_new)
     else:
         local = torch.arange(positions.numel()) - cu_seqlens[seq_idx]
@@ -275,15 +275,12 @@ def _attend_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         k = k_cache.narrow(2, 0, m.kv_len).index_select(0, m.slots)
         v = v_cache.narrow(2, 0, m.kv_len).index_select(0, m.slots)
     t = m.max_new
+    if m.pad_index is not None:  # scatter into the padded [R*T_max] layout
+        q = q.new_zeros(r * t, h, hd).index_copy_(0, m.pad_index, q)
     if t == 1:
         qp = q.view(r, n_kv, g, hd)
     else:
-        if m.pad_index is not None:  # scatter into the padded [R*T_max] layout
-            qp = q.new_zeros(r * t, h, hd)
-            qp[m.pad_index] = q
-        else:
-            qp = q
-        qp = qp.view(r, t, n_kv, g, hd).permute(0, 2, 3, 1, 4).reshape(r, n_kv, g * t, hd)
+        qp = q.view(r, t, n_kv, g, hd).permute(0, 2, 3, 1, 4).reshape(r, n_kv, g * t, hd)
     out = _sdpa(qp, k, v, m.bias(q.dtype), scale)
     if t == 1:
         return out.reshape(n, h, hd)
