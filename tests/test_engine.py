@@ -694,6 +694,36 @@ def test_bench_smoke(tiny_ckpt, tmp_path):
         main(["bench", "--rescore", str(tmp_path / "other.json")])
 
 
+def test_bench_reference_text_is_each_prompt_decoded_alone(tiny_ckpt, monkeypatch):
+    """The bench's reference text (the text every greedy cell decodes) is plain decoding of each
+    prompt on its own: a batched pass can part from it at a bf16 near-tie, and the batch-1 cells
+    would then decode a text no batch-1 request gets."""
+    import argparse
+    from dataclasses import replace
+
+    from dspark import wiring
+    from dspark.bench import e2e
+    from dspark.runtime.engine import SpecEngine
+
+    spec = wiring.Spec(model=str(tiny_ckpt), capacity=4, max_seq_len=64, sps="gpu_shaped")
+    target = wiring.load_target(spec)
+    prompts = [[5, 6, 7], [8, 9], [10, 11, 12, 13]]
+    sizes_seen: list[int] = []
+    generate = SpecEngine.generate
+
+    def spy(self, ps, *a, **k):
+        sizes_seen.append(len(ps))
+        return generate(self, ps, *a, **k)
+
+    monkeypatch.setattr(SpecEngine, "generate", spy)
+    args = argparse.Namespace(max_tokens=6, stop_at_eos=False, free_text=False)
+    build = e2e.bench_build(spec, target, None, prompts, args, [1, 2], SamplingParams())
+    assert sizes_seen == [1, 1, 1]
+    alone = wiring.build_engine(replace(spec, policy="plain"), target=target, drafter=None)
+    assert build.reference == [generate(alone, [p], 6, SamplingParams())[0] for p in prompts]
+    assert build.matched == [len(r) for r in build.reference]
+
+
 def test_bench_q4_1_cells_on_smollm2(smollm2_folder, tmp_path):
     """On SmolLM2 the bench also times dspark and plain at batch 1 on the GGUF's own Q4_1 weights
     (what llama.cpp's Q4_1 column runs), paired like every cell, each decoding its own build's

@@ -439,8 +439,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     wiring.add_arguments(p, capacity=32, max_seq_len=1024)
     p.add_argument("--domains", default="code,math,chat")
     p.add_argument("--n-prompts", type=int, default=4,
-                   help="prompts per domain (batch-1 τ depends on the text drawn: with 2 per domain it "
-                        "moved from 2.6 to 3.3 between bf16 texts of the same prompts)")
+                   help="prompts per domain (τ depends on the text drawn: one prompt whose text falls "
+                        "into a loop moves a batch-1 run of few prompts a long way)")
     p.add_argument("--max-tokens", type=int, default=128, help="new tokens per request")
     p.add_argument("--concurrency", default="1,2,4,8,16,32", help="closed-loop concurrencies")
     p.add_argument("--waves", type=int, default=3,
@@ -520,7 +520,7 @@ def bench_build(spec: wiring.Spec, target, drafter, prompts: list[list[int]], ar
         sps_source = f"auto: {paths.relative(shipped)}"
     plain_engine = wiring.build_engine(replace(spec, policy="plain"), target=target, drafter=None)
     # one prompt at a time: the text a request decoded alone gets (a batched pass can part from
-    # it at a bf16 near-tie, and on 6 prompts that moved batch-1 τ by ±15 %: README, "End to end")
+    # it at a bf16 near-tie, and the batch-1 cells would then decode a text no batch-1 run gets)
     reference = [plain_engine.generate([p], args.max_tokens, greedy)[0]
                  for p in tqdm(prompts, desc="plain reference text", unit="prompt", leave=False)]
     matched: int | list[int] = args.max_tokens if args.stop_at_eos else [len(o) for o in reference]
