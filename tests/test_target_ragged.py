@@ -240,9 +240,7 @@ def test_cpu_matmul_attention_equals_sdpa(rows, masked):
     ref = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=hd ** -0.5)
 
     def bias(dtype: torch.dtype) -> torch.Tensor | None:  # `_sdpa` takes the mask as 0 / -inf
-        if mask is None:
-            return None
-        return torch.zeros(mask.shape, dtype=dtype).masked_fill_(~mask, float("-inf"))
+        return None if mask is None else M.mask_bias(mask, dtype)
 
     assert (M._sdpa(q, k, v, bias(torch.float32), hd ** -0.5) - ref).abs().max() <= 1e-5
     bf = [t.bfloat16() for t in (q, k, v)]

@@ -505,9 +505,8 @@ def bench_build(spec: wiring.Spec, target, drafter, prompts: list[list[int]], ar
     """The scheduler's table (the shipped one for this model and dtype; else profiled now over
     `sizes`, since the scheduler must see THIS machine's step cost) and plain decoding's greedy
     text: each prompt's text and length as plain decoding stops it at eos, decoded alone (an
-    untimed pass),
-    then generated exactly by every policy (T = 1 cells stop at eos: their lengths are random
-    anyway), and decoded as that same text unless --free-text (`SameTextTarget`)."""
+    untimed pass), then generated exactly by every policy (T = 1 cells stop at eos: their
+    lengths are random anyway), and decoded as that same text unless --free-text (`SameTextTarget`)."""
     shipped = wiring.sps_table_path(spec.model_key, spec.dtype)
     sps_source = spec.sps
     if spec.sps == "profile" or (spec.sps == "auto" and target.device.type == "cpu"

@@ -166,9 +166,14 @@ class AttnMeta:
         if self.mask is None:
             return None
         if dtype not in self._bias:
-            bias = torch.zeros(self.mask.shape, dtype=dtype, device=self.mask.device)
-            self._bias[dtype] = bias.masked_fill_(~self.mask, float("-inf"))
+            self._bias[dtype] = mask_bias(self.mask, dtype)
         return self._bias[dtype]
+
+
+def mask_bias(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A bool mask (True = attend) as the additive bias `_sdpa` takes: 0 where attended, −inf
+    elsewhere, in `dtype`."""
+    return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, float("-inf"))
 
 
 GROUP_MIN_SAVED_ROWS = 4  # padded query rows a length group must save to be attended apart
