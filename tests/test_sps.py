@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 import torch
 
+from dspark.bench import cpu_name
 from dspark.runtime.sps import SPSTable, smooth_by_tokens
 
 
@@ -100,7 +101,23 @@ def test_profile_sps_on_tiny_checkpoint(tiny_ckpt, tmp_path):
     assert all(len(row) == 3 and min(row) > 0 for row in table.ragged["seconds"])
     assert all(s > 0 for s in table.steps_per_second)
     assert table.device.startswith("cpu") and str(tiny_ckpt) in table.model
+    assert f"cpu:{cpu_name()} " in table.device  # the CPU kind, not just 'x86_64'
     assert out.with_suffix(".png").stat().st_size > 0
+
+
+def test_cpu_name_reads_the_model_and_matmul_flags(tmp_path):
+    """Results record the CPU kind (step costs do not carry over between CPU kinds): the model
+    name and the matmul instruction sets from /proc/cpuinfo, the machine type without one."""
+    import platform
+
+    info = tmp_path / "cpuinfo"
+    info.write_text("processor\t: 0\nmodel name\t: Intel(R) Xeon(R) Platinum 8481C\n"
+                    "flags\t\t: fpu avx2 avx512f amx_bf16 amx_tile\n\n"
+                    "processor\t: 1\nmodel name\t: Intel(R) Xeon(R) Platinum 8481C\n")
+    assert cpu_name(info) == f"Intel(R) Xeon(R) Platinum 8481C ({platform.machine()}: amx_bf16 avx512f avx2)"
+    info.write_text("model name\t: AMD EPYC\nflags\t: fpu sse2\n")
+    assert cpu_name(info) == f"AMD EPYC ({platform.machine()})"
+    assert cpu_name(tmp_path / "absent") == (platform.processor() or platform.machine())
 
 
 def test_ragged_grid_reads_step_time_by_requests_and_tokens_per_request(tmp_path):

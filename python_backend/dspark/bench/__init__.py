@@ -1,0 +1,28 @@
+"""Benchmarks and profiles behind the `dspark` subcommands; each writes a JSON under results/."""
+
+from __future__ import annotations
+
+import platform
+from pathlib import Path
+
+# the instruction sets that decide what a bf16 / fp32 CPU matmul costs here (AMX tiles run a
+# bf16 verify about 2x faster than AVX-512 BF16 alone; neither is on every x86 machine)
+MATMUL_FLAGS = ("amx_bf16", "avx512_bf16", "avx512f", "avx2")
+
+
+def cpu_name(cpuinfo: Path = Path("/proc/cpuinfo")) -> str:
+    """The CPU a measurement ran on, e.g. 'AMD EPYC (x86_64: avx512_bf16 avx512f avx2)': the
+    model name and the matmul instruction sets present, read from /proc/cpuinfo where there is
+    one (`platform.processor()` says only 'x86_64' on Linux), else the machine type. Step costs
+    measured on one CPU kind do not carry over to another, so every result records it."""
+    machine = platform.machine() or "unknown"
+    try:
+        text = cpuinfo.read_text()
+    except OSError:
+        return platform.processor() or machine
+    fields = dict(line.split(":", 1) for line in text.splitlines() if ":" in line)
+    fields = {k.strip(): v.strip() for k, v in fields.items()}
+    name = fields.get("model name") or platform.processor() or "unknown CPU"
+    flags = set(fields.get("flags", "").split())
+    present = " ".join(f for f in MATMUL_FLAGS if f in flags)
+    return f"{name} ({machine}: {present})" if present else f"{name} ({machine})"

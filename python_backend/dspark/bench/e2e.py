@@ -29,7 +29,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import platform
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -39,6 +38,7 @@ import torch
 from tqdm import tqdm
 
 from dspark import paths, wiring
+from dspark.bench import cpu_name
 from dspark.bench.same_text import SameTextTarget
 from dspark.runtime.sampling import SamplingParams
 from dspark.runtime.scheduler import Policy
@@ -192,7 +192,7 @@ def quick_sps(target, sizes: list[int], context: int = 128, repeats: int = 3):
                     target.release(s)
     cpu = target.device.type == "cpu"
     return SPSTable(sizes, [1.0 / best[b] for b in sizes],
-                    device=f"cpu:{platform.processor() or platform.machine()}" if cpu else str(target.device),
+                    device=f"cpu:{cpu_name()}" if cpu else str(target.device),
                     model="profiled by dspark bench", padded=not cpu)
 
 
@@ -692,7 +692,7 @@ def main(args: argparse.Namespace) -> int:
                    "greedy_lengths": "stop at eos" if args.stop_at_eos else matched,
                    "same_text": main_build.same_text is not None,
                    "reference_text": "plain decoding, each prompt alone (batch 1)",
-                   "threads": torch.get_num_threads(),
+                   "cpu": cpu_name(), "threads": torch.get_num_threads(),
                    "torch": torch.__version__, "load_avg_1min": _load_avg()},
     }
     result["goals"] = goals(result)

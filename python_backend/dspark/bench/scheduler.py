@@ -6,13 +6,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
 import time
 
 import numpy as np
 import torch
 
+from dspark.bench import cpu_name
 from dspark.paths import RESULTS
 from dspark.runtime.scheduler import make_policy
 from dspark.runtime.sps import SPSTable
@@ -27,7 +27,7 @@ def bench_decide(num_requests: int = 256, gamma: int = 16, repeats: int = 300, s
     survival = conf.cumprod(dim=2)
     remaining = torch.randint(1, 512, (repeats, num_requests), generator=gen)
     out = {"num_requests": num_requests, "gamma": gamma, "repeats": repeats,
-           "threads": torch.get_num_threads(), "cpu": platform.processor() or platform.machine(),
+           "threads": torch.get_num_threads(), "cpu": cpu_name(),
            "load_average_1min": os.getloadavg()[0], "median_ms": {}, "median_cpu_ms": {},
            "note": "median_ms is wall time; median_cpu_ms is this thread's CPU time (robust to other "
                    "processes sharing the cores)"}

@@ -20,7 +20,6 @@ import argparse
 import json
 import math
 import os
-import platform
 import sys
 import time
 from pathlib import Path
@@ -29,6 +28,7 @@ import torch
 from tqdm import tqdm
 
 from dspark import paths, wiring
+from dspark.bench import cpu_name
 from dspark.paths import RESULTS
 from dspark.runtime.batch import RaggedBatch
 from dspark.runtime.sps import SPSTable
@@ -135,8 +135,7 @@ def profile(target_path: str | Path, sizes: list[int], context: int = 256, token
                   "seconds": [[cells[r, t] for t in ragged_tokens] for r in ragged_requests],
                   "lengths": "mixed" if mixed else "uniform"}
     dtype_name = spec.dtype if spec.dtype != "auto" else str(engine.dtype).removeprefix("torch.")
-    cpu = platform.processor() or platform.machine()
-    device = f"cpu:{cpu} threads={torch.get_num_threads()} dtype={dtype_name}"
+    device = f"cpu:{cpu_name()} threads={torch.get_num_threads()} dtype={dtype_name}"
     return SPSTable(sizes, speeds, device=device, model=paths.relative(target_path), padded=False,
                     ragged=ragged)
 

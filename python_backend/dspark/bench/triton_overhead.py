@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import re
 import statistics
 import sys
@@ -31,6 +30,7 @@ from dataclasses import asdict
 from tqdm import tqdm
 
 from dspark import paths, wiring
+from dspark.bench import cpu_name
 
 QUESTIONS = [
     "Write a Python function that checks whether a number is prime.",
@@ -157,7 +157,7 @@ def main(args: argparse.Namespace) -> int:
         "command": "dspark bench-triton " + " ".join(sys.argv[2:]) + "  (under the shared heavy lock)",
         "load_avg_1min": os.getloadavg()[0],
         "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"),
-        "machine": platform.processor() or platform.machine(),
+        "machine": cpu_name(),
     }
     out = paths.REPO_ROOT / args.out if not os.path.isabs(args.out) else args.out
     with open(out, "w") as f:
