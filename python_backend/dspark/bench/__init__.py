@@ -5,8 +5,8 @@ from __future__ import annotations
 import platform
 from pathlib import Path
 
-# the instruction sets that decide what a bf16 / fp32 CPU matmul costs here (AMX tiles run a
-# bf16 verify about 2x faster than AVX-512 BF16 alone; neither is on every x86 machine)
+# the instruction sets that decide what a bf16 / fp32 CPU matmul costs (the SmolLM2 profile
+# took 1.3-2.5x as long on an AMD EPYC without AMX as on the AMX machines: README)
 MATMUL_FLAGS = ("amx_bf16", "avx512_bf16", "avx512f", "avx2")
 
 
@@ -20,8 +20,8 @@ def cpu_name(cpuinfo: Path = Path("/proc/cpuinfo")) -> str:
         text = cpuinfo.read_text()
     except OSError:
         return platform.processor() or machine
-    fields = dict(line.split(":", 1) for line in text.splitlines() if ":" in line)
-    fields = {k.strip(): v.strip() for k, v in fields.items()}
+    pairs = (line.split(":", 1) for line in text.splitlines() if ":" in line)
+    fields = {k.strip(): v.strip() for k, v in pairs}
     name = fields.get("model name") or platform.processor() or "unknown CPU"
     flags = set(fields.get("flags", "").split())
     present = " ".join(f for f in MATMUL_FLAGS if f in flags)
