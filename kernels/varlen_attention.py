@@ -138,7 +138,7 @@ def varlen_attention(
     sm_scale: float | None = None,
     max_new_tokens: int | None = None,  # pass AttnMeta.max_new to skip one host sync
 ) -> torch.Tensor:
-    """dspark.runtime.model's argument order (tok_slot unused: the kernel reads slots[r]); kernel or
+    """dspark.runtime.attention's argument order (tok_slot unused: the kernel reads slots[r]); kernel or
     reference as `dspark_kernels.dispatch` decides."""
     if use_triton(q):
         return varlen_attention_triton(q, k_cache, v_cache, cu_seqlens, positions, slots, sm_scale,

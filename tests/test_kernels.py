@@ -128,7 +128,8 @@ def test_block_sample_kernel_equals_reference(kernels):
 
 
 def test_varlen_attention_dispatch_matches_model_contract(kernels, monkeypatch):
-    """dspark.runtime.model calls varlen_attention(q, k, v, tok_slot, positions, cu_seqlens, slots, scale)."""
+    """dspark.runtime.attention calls varlen_attention(q, k, v, tok_slot, positions, cu_seqlens, slots,
+    scale)."""
     mod = kernels["varlen_attention"]
     g = torch.Generator().manual_seed(1)
     k_cache, v_cache = torch.randn(2, 1, 8, 16, generator=g), torch.randn(2, 1, 8, 16, generator=g)

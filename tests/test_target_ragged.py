@@ -178,7 +178,7 @@ def test_torch_attention_matches_the_kernel_contract(lens):
     """The CPU path and dspark_kernels.varlen_attention (torch reference on CPU, Triton on
     CUDA) compute the same thing from the same arguments, so the CUDA dispatch is a drop-in:
     ragged (padded query rows), uniform and single-request batches (no padding: no scatter)."""
-    from dspark.runtime.model import _attend_torch, build_attn_meta
+    from dspark.runtime.attention import _attend_torch, build_attn_meta
     from dspark_kernels.varlen_attention import varlen_attention as varlen
 
     g = torch.Generator().manual_seed(0)
@@ -198,7 +198,7 @@ def test_length_groups_attend_apart_and_match_one_padded_batch():
     """Requests of very different new-token counts are attended in length groups (one request
     verifying 8 tokens must not pad 31 others to 8 rows); the grouped result equals the kernel
     contract's reference and the single padded batch."""
-    from dspark.runtime.model import _attend_torch, build_attn_meta, length_groups
+    from dspark.runtime.attention import _attend_torch, build_attn_meta, length_groups
     from dspark_kernels.varlen_attention import varlen_attention as varlen
 
     assert length_groups([3, 3, 4]) is None  # one class
@@ -226,7 +226,7 @@ def test_length_groups_attend_apart_and_match_one_padded_batch():
 def test_cpu_matmul_attention_equals_sdpa(rows, masked):
     """`_sdpa`'s matmul path (taken on a CPU from MATH_ATTENTION_FROM requests x keys) computes
     what torch's SDPA does: in f32 to 1e-5, in bf16 within a few bf16 roundings."""
-    from dspark.runtime import model as M
+    from dspark.runtime import attention as M
 
     g = torch.Generator().manual_seed(2)
     r, n_kv, s, hd = 4, 2, 200, 16
@@ -256,7 +256,7 @@ def test_verify_of_no_requests_is_empty(engine):
 def test_prepacked_linear_pads_rows_to_few_buckets_and_keeps_each_row():
     """oneDNN caches a primitive per row count: PackedLinear runs bucketed row counts (bounded
     memory over a long serve) and must still give every real row what F.linear gives it."""
-    from dspark.runtime.model import row_bucket, serving_linear
+    from dspark.runtime.linear import row_bucket, serving_linear
 
     buckets = {row_bucket(m) for m in range(1, 4097)}
     assert len(buckets) * 5 <= 256  # 5 matmul shapes per model fit oneDNN's bounded cache

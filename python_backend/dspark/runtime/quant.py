@@ -31,8 +31,9 @@ import numpy as np
 import torch
 
 from dspark.runtime.config import ModelConfig, rope_inv_freq
+from dspark.runtime.linear import Dense, PackedLinear, serving_linear
 from dspark.runtime.loader import load_config, ours_to_hf
-from dspark.runtime.model import Dense, PackedLinear, Transformer, serving_linear
+from dspark.runtime.model import Transformer
 
 GROUP = 32  # Q4_1 block size = the int4 kernel's group size
 # From this many rows a matmul runs the same weights dense (bf16, oneDNN-prepacked): torch's int4
@@ -110,7 +111,7 @@ def bf16_scale_error(w: Q4_1Tensor) -> tuple[float, float]:
 
 class Int4Linear:
     """y = x Wᵀ with W in torch's CPU int4 pack (groups of GROUP along the input), bf16 scale and
-    zero per group. Same call as `dspark.runtime.model.Dense`; bf16 in, bf16 out. With `dense`
+    zero per group. Same call as `dspark.runtime.linear.Dense`; bf16 in, bf16 out. With `dense`
     (default), inputs of DENSE_FROM_ROWS rows or more run a bf16 copy of the same weights, as the
     kernel computes them ((q − 8)·scale + zero with the bf16 scale and zero, rounded to bf16):
     one more copy of the weights in memory for a prefill several times faster."""

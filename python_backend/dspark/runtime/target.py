@@ -9,11 +9,12 @@ from pathlib import Path
 
 import torch
 
+from dspark.runtime.attention import build_attn_meta
 from dspark.runtime.batch import RaggedBatch
 from dspark.runtime.config import ModelConfig
 from dspark.runtime.kv_cache import KVCache
 from dspark.runtime.loader import load_model
-from dspark.runtime.model import Transformer, build_attn_meta
+from dspark.runtime.model import Transformer
 from dspark.runtime.text import load_tokenizer
 
 PREFILL_PADDED_TOKENS = 4096  # prefill batches requests while R * longest prompt stays under this

@@ -124,7 +124,7 @@ def server_env(extra: dict[str, str] | None = None) -> dict[str, str]:
     # spin after each parallel region (the default) starve the others; passive ones sleep.
     env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     # oneDNN caches one primitive per matmul shape (1 024 by default); the prepacked projections
-    # bucket their row counts (model.row_bucket) so that every shape fits 256 entries and the
+    # bucket their row counts (linear.row_bucket) so that every shape fits 256 entries and the
     # cache stops churning: the soak's RSS growth fell from +14.8 % to +2.2 % (README "Soak")
     env.setdefault("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "256")
     env.update(extra or {})

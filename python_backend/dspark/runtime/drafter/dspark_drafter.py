@@ -30,7 +30,8 @@ from torch import nn
 from dspark.runtime.drafter.context import SlotDrafter, SlotKV, segments
 from dspark.runtime.drafter.heads import ConfidenceHead, make_head
 from dspark.runtime.interfaces import DraftBlock
-from dspark.runtime.model import Dense, PackedLinear, RMSNorm, apply_rope, rope_cos_sin, serving_linear
+from dspark.runtime.linear import Dense, PackedLinear, serving_linear
+from dspark.runtime.model import RMSNorm, apply_rope, rope_cos_sin
 from dspark.runtime.sampling import SamplingBatch, SamplingParams
 
 
