@@ -13,14 +13,10 @@ import torch
 
 from dspark.runtime.drafter import load_drafter
 from dspark.runtime.drafter.draft_lm import DraftLMDrafter, new_draft_lm, save_draft_lm
-from dspark.runtime.drafter.dspark_drafter import (
-    DSparkConfig,
-    DSparkDrafter,
-    DSparkModel,
-    save_dspark,
-    shared_weights,
-)
+from dspark.runtime.drafter.dspark_drafter import DSparkDrafter
+from dspark.runtime.drafter.dspark_model import DSparkConfig, DSparkModel, save_dspark
 from dspark.runtime.drafter.eagle import EagleConfig, EagleDrafter, EagleModel, save_eagle
+from dspark.runtime.drafter.files import shared_weights
 from dspark.runtime.engine import SpecEngine
 from dspark.runtime.sampling import SamplingParams, param_tensors, sampling_probs
 from dspark.runtime.target import TargetEngine
@@ -444,7 +440,7 @@ def test_bench_drafter_smoke(tiny_ckpt, tmp_path):
 def test_draft_vocab_tool_counts_responses_only(tmp_path, target):
     """`dspark draft-vocab`: counts the tokens after each prompt in training shards, keeps the K
     most frequent (plus the eos ids), writes draft_vocab.json that the loader reads."""
-    from dspark.runtime.drafter.dspark_drafter import read_draft_vocab
+    from dspark.runtime.drafter.files import read_draft_vocab
     from dspark.tools.draft_vocab import count_shards, top_ids, write_vocab
 
     seqs = [[1, 2, 3, 9, 9, 9, 8], [1, 2, 4, 4, 8]]  # prompts [1, 2, 3] and [1, 2]

@@ -797,7 +797,9 @@ def smol_drafter(kind: str, target):
     """ngram, or a DSpark drafter of the shipped SmolLM2 shape (random weights, 16k draft vocabulary)."""
     if kind == "ngram":
         return NGramDrafter(gamma=4)
-    from dspark.runtime.drafter.dspark_drafter import DSparkConfig, DSparkDrafter, DSparkModel, shared_weights
+    from dspark.runtime.drafter.dspark_drafter import DSparkDrafter
+    from dspark.runtime.drafter.dspark_model import DSparkConfig, DSparkModel
+    from dspark.runtime.drafter.files import shared_weights
 
     cfg = target.config
     torch.manual_seed(0)
@@ -838,7 +840,8 @@ def test_whole_step_on_cuda(tiny_ckpt):
     verify_ragged make no implicit host sync (CUDA sync debug mode raises on one)."""
     from test_drafter import make_dspark, prompts_and_taps
 
-    from dspark.runtime.drafter.dspark_drafter import DSparkDrafter, shared_weights
+    from dspark.runtime.drafter.dspark_drafter import DSparkDrafter
+    from dspark.runtime.drafter.files import shared_weights
     from dspark.runtime.sampling import SamplingBatch
     from dspark.runtime.verify import verify_ragged
 

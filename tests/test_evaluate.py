@@ -20,7 +20,7 @@ def write_prompts(path):
 
 def untrained_drafter(folder, target_path, head: str, block_size: int = 5):
     """A random DSpark drafter for the tiny target (the shipped code path, no training)."""
-    from dspark.runtime.drafter.dspark_drafter import DSparkConfig, DSparkModel, save_dspark
+    from dspark.runtime.drafter.dspark_model import DSparkConfig, DSparkModel, save_dspark
     from dspark.runtime.target import TargetEngine
 
     target = TargetEngine.from_pretrained(target_path, capacity=1, max_seq_len=64)

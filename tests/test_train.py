@@ -222,7 +222,7 @@ def test_two_processes_reach_the_same_loss_as_one(tiny_ckpt, data_dir, tmp_path)
 
 
 def own_context_model(tiny_ckpt, head: str = "markov"):
-    from dspark.runtime.drafter.dspark_drafter import DSparkConfig, DSparkModel
+    from dspark.runtime.drafter.dspark_model import DSparkConfig, DSparkModel
     from dspark.runtime.loader import load_model
 
     target_model, cfg = load_model(tiny_ckpt)
@@ -284,13 +284,8 @@ def test_own_context_training_needs_no_taps_and_exports(tiny_ckpt, data_dir, tmp
 def test_tap_norm_scales_channels_the_same_in_training_and_serving(tiny_ckpt, tmp_path):
     """config tap_norm: the per-channel tap scale is applied before fc in the trainer's pass
     and in the drafter's extend alike, and is saved with the drafter."""
-    from dspark.runtime.drafter.dspark_drafter import (
-        DSparkConfig,
-        DSparkDrafter,
-        DSparkModel,
-        load_dspark,
-        save_dspark,
-    )
+    from dspark.runtime.drafter.dspark_drafter import DSparkDrafter, load_dspark
+    from dspark.runtime.drafter.dspark_model import DSparkConfig, DSparkModel, save_dspark
     from dspark.runtime.loader import load_model
 
     target_model, cfg = load_model(tiny_ckpt)

@@ -55,7 +55,9 @@ def test_own_context_dspark_drafter_needs_no_taps(tiny_ckpt):
     """The DSpark drafter in its own-context mode (context "own": no target hidden states) drafts
     over the TensorRT-LLM contract; the output stays exactly plain (weights random here: the
     trained ones are build/smollm2/drafters/, measured in results/offline_eval_smollm2.json)."""
-    from dspark.runtime.drafter.dspark_drafter import DSparkConfig, DSparkDrafter, DSparkModel, shared_weights
+    from dspark.runtime.drafter.dspark_drafter import DSparkDrafter
+    from dspark.runtime.drafter.dspark_model import DSparkConfig, DSparkModel
+    from dspark.runtime.drafter.files import shared_weights
 
     torch.manual_seed(0)
     plain = TargetEngine.from_pretrained(tiny_ckpt, capacity=2, max_seq_len=256)

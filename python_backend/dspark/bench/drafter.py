@@ -31,7 +31,9 @@ from dspark.runtime.sampling import SamplingParams
 
 def random_drafter(target, gamma: int, layers: int = 1, intermediate: int = 1536, rank: int = 64):
     """A DSpark-Markov drafter of the shipped SmolLM2 shape with random weights (same cost)."""
-    from dspark.runtime.drafter.dspark_drafter import DSparkConfig, DSparkDrafter, DSparkModel, shared_weights
+    from dspark.runtime.drafter.dspark_drafter import DSparkDrafter
+    from dspark.runtime.drafter.dspark_model import DSparkConfig, DSparkModel
+    from dspark.runtime.drafter.files import shared_weights
 
     cfg = target.config
     torch.manual_seed(0)

@@ -26,7 +26,7 @@ from dspark.runtime.drafter import (  # noqa: F401 (re-exported)
     read_calibration,
     read_sts_shifts,
 )
-from dspark.runtime.drafter.dspark_drafter import CALIBRATION_FILE, read_calibration_file
+from dspark.runtime.drafter.files import CALIBRATION_FILE, read_calibration_file
 from dspark.runtime.sampling import SamplingParams
 from dspark.tools.metrics import ECE_BINS, auroc, ece, reliability, sigmoid, survival
 from dspark.tools.traces import BlockTrace, read_block_trace  # noqa: F401 (the one trace format)

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from dspark.runtime.drafter.dspark_drafter import DRAFT_VOCAB_FILE, read_draft_vocab
+from dspark.runtime.drafter.files import DRAFT_VOCAB_FILE, read_draft_vocab
 
 __all__ = ["count_shards", "count_texts", "read_draft_vocab", "top_ids", "write_vocab"]
 

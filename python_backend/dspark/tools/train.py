@@ -155,7 +155,7 @@ def build_model(args, target_model, target_cfg, tap_layers: list[int],
                   block_size=args.block_size, gamma=min(args.gamma, args.block_size),
                   tap_layers=list(tap_layers), tap_norm=tap_norm)
     if args.kind == "dspark":
-        from dspark.runtime.drafter.dspark_drafter import DSparkConfig, DSparkModel
+        from dspark.runtime.drafter.dspark_model import DSparkConfig, DSparkModel
 
         own_cfg = {"context": getattr(args, "context", "taps"),
                    "context_layers": getattr(args, "context_layers", 1),
@@ -615,7 +615,7 @@ def _mean_lists(rows: list[list[float | None]]) -> list[float | None]:
 def _export(args, model, out: Path, summary: dict) -> None:
     dtype = getattr(torch, args.save_dtype)
     if args.kind == "dspark":
-        from dspark.runtime.drafter.dspark_drafter import save_dspark
+        from dspark.runtime.drafter.dspark_model import save_dspark
 
         save_dspark(model, out, dtype)
     elif args.kind == "eagle":

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from dspark.runtime.drafter.dspark_drafter import read_calibration, read_sts_shifts
+from dspark.runtime.drafter.files import read_calibration, read_sts_shifts
 from dspark.runtime.drafter.ngram import NGramDrafter
 
 

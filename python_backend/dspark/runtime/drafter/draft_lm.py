@@ -18,7 +18,7 @@ import torch
 from dspark.runtime.batch import RaggedBatch
 from dspark.runtime.config import ModelConfig
 from dspark.runtime.drafter.context import DraftProbStore
-from dspark.runtime.drafter.dspark_drafter import read_calibration, read_sts_shifts
+from dspark.runtime.drafter.files import read_calibration, read_sts_shifts
 from dspark.runtime.interfaces import DraftBlock
 from dspark.runtime.loader import save_pretrained
 from dspark.runtime.model import Transformer

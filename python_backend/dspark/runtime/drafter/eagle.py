@@ -20,13 +20,8 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from dspark.runtime.drafter.context import SlotDrafter
-from dspark.runtime.drafter.dspark_drafter import (
-    JsonConfig,
-    read_calibration,
-    read_sts_shifts,
-    rope_inv_freq_plain,
-    shared_weights,
-)
+from dspark.runtime.drafter.dspark_model import rope_inv_freq_plain
+from dspark.runtime.drafter.files import JsonConfig, read_calibration, read_sts_shifts, shared_weights
 from dspark.runtime.interfaces import DraftBlock
 from dspark.runtime.model import RMSNorm, apply_rope, rope_cos_sin
 from dspark.runtime.sampling import SamplingBatch, SamplingParams
