@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from safetensors.torch import save_file
 from torch import nn
 
-from dspark.runtime.drafter.files import JsonConfig
+from dspark.runtime.drafter.files import JsonConfig, SharedHead
 from dspark.runtime.drafter.heads import ConfidenceHead, make_head
 from dspark.runtime.model import RMSNorm, apply_rope, rope_cos_sin
 
@@ -113,7 +113,7 @@ class DraftLayer(nn.Module):
         return x + self.down_proj(F.silu(self.gate_proj(h)) * self.up_proj(h))
 
 
-class DSparkModel(nn.Module):
+class DSparkModel(SharedHead, nn.Module):
     """Trainable parameters of the drafter. The target's embedding / LM-head weights are
     attached with `attach_shared` as plain tensors (not parameters: frozen, not saved)."""
 
@@ -146,11 +146,6 @@ class DSparkModel(nn.Module):
             for p in m.modules():
                 if isinstance(p, nn.Linear):
                     nn.init.normal_(p.weight, std=0.02)
-        self.embed_weight: torch.Tensor | None = None
-        self.lm_head_weight: torch.Tensor | None = None
-
-    def attach_shared(self, embed_weight: torch.Tensor, lm_head_weight: torch.Tensor) -> None:
-        self.embed_weight, self.lm_head_weight = embed_weight.detach(), lm_head_weight.detach()
 
     def init_from_target(self, embed_weight: torch.Tensor, norm_weight: torch.Tensor,
                          mask_token_id: int | None = None) -> None:
@@ -169,11 +164,6 @@ class DSparkModel(nn.Module):
     def embed(self, tokens: torch.Tensor) -> torch.Tensor:
         assert self.embed_weight is not None, "attach_shared() first"
         return F.embedding(tokens, self.embed_weight).to(self.fc.weight.dtype)
-
-    def lm_head(self, h: torch.Tensor) -> torch.Tensor:
-        """U = lm_head(norm(h)) with the target's LM-head weight."""
-        assert self.lm_head_weight is not None, "attach_shared() first"
-        return F.linear(self.norm(h), self.lm_head_weight.to(h.dtype))
 
     def rope(self, positions: torch.Tensor, dtype: torch.dtype):
         return rope_cos_sin(self.inv_freq, positions, dtype)

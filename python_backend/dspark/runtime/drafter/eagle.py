@@ -21,7 +21,13 @@ from torch import nn
 
 from dspark.runtime.drafter.context import SlotDrafter
 from dspark.runtime.drafter.dspark_model import rope_inv_freq_plain
-from dspark.runtime.drafter.files import JsonConfig, read_calibration, read_sts_shifts, shared_weights
+from dspark.runtime.drafter.files import (
+    JsonConfig,
+    SharedHead,
+    read_calibration,
+    read_sts_shifts,
+    shared_weights,
+)
 from dspark.runtime.interfaces import DraftBlock
 from dspark.runtime.model import RMSNorm, apply_rope, rope_cos_sin
 from dspark.runtime.sampling import SamplingBatch, SamplingParams
@@ -45,7 +51,7 @@ class EagleConfig(JsonConfig):
     tap_norm: bool = False  # taps scaled per channel (buffer tap_scale) before fc, as DSparkConfig
 
 
-class EagleModel(nn.Module):
+class EagleModel(SharedHead, nn.Module):
     inv_freq: torch.Tensor  # buffers, registered in __init__
     tap_scale: torch.Tensor | None  # None unless cfg.tap_norm
 
@@ -74,20 +80,11 @@ class EagleModel(nn.Module):
         nn.init.zeros_(self.conf.weight)
         nn.init.zeros_(self.conf.bias)
         self.register_buffer("inv_freq", rope_inv_freq_plain(hd, cfg.rope_theta), persistent=False)
-        self.embed_weight: torch.Tensor | None = None
-        self.lm_head_weight: torch.Tensor | None = None
-
-    def attach_shared(self, embed_weight: torch.Tensor, lm_head_weight: torch.Tensor) -> None:
-        self.embed_weight, self.lm_head_weight = embed_weight.detach(), lm_head_weight.detach()
 
     def init_from_target(self, embed_weight: torch.Tensor, norm_weight: torch.Tensor,
                          mask_token_id: int | None = None) -> None:
         with torch.no_grad():
             self.norm.weight.copy_(norm_weight.float())
-
-    def lm_head(self, h: torch.Tensor) -> torch.Tensor:
-        assert self.lm_head_weight is not None, "attach_shared() first"
-        return F.linear(self.norm(h), self.lm_head_weight.to(h.dtype))
 
     def features(self, taps: torch.Tensor) -> torch.Tensor:
         x = taps.to(self.fc.weight.dtype)

@@ -1,7 +1,8 @@
 """What a drafter folder holds besides its weights, and what a drafter borrows from its target:
 config.json (`JsonConfig`), calibration.json (STS temperatures and shifts, written by `dspark
 calibrate`), draft_vocab.json (written by `dspark draft-vocab`) and the target's shared
-embedding / LM head / final norm (`shared_weights`). Read by every trained drafter kind.
+embedding / LM head / final norm (`shared_weights`, and `SharedHead`, the networks' use of
+them). Read by every trained drafter kind.
 """
 
 from __future__ import annotations
@@ -12,6 +13,9 @@ from pathlib import Path
 from typing import Any, ClassVar, Self
 
 import torch
+import torch.nn.functional as F
+
+from dspark.runtime.model import RMSNorm
 
 
 class JsonConfig:
@@ -68,3 +72,21 @@ def shared_weights(target) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     model = getattr(target, "model", target)
     lm = model.embed_tokens.weight if model.lm_head_proj is None else model.lm_head_proj.weight
     return model.embed_tokens.weight, lm, model.norm.weight
+
+
+class SharedHead:
+    """Mixin for a drafter network that reads the target's embedding and LM head (frozen, never
+    stored with the drafter): `attach_shared` hands them over at load time, `lm_head` applies
+    the target's LM head after the network's own final `norm`."""
+
+    embed_weight: torch.Tensor | None = None
+    lm_head_weight: torch.Tensor | None = None
+    norm: RMSNorm  # the network's own final norm
+
+    def attach_shared(self, embed_weight: torch.Tensor, lm_head_weight: torch.Tensor) -> None:
+        self.embed_weight, self.lm_head_weight = embed_weight.detach(), lm_head_weight.detach()
+
+    def lm_head(self, h: torch.Tensor) -> torch.Tensor:
+        """U = lm_head(norm(h)) with the target's LM-head weight."""
+        assert self.lm_head_weight is not None, "attach_shared() first"
+        return F.linear(self.norm(h), self.lm_head_weight.to(h.dtype))
