@@ -667,6 +667,7 @@ def test_bench_smoke(tiny_ckpt, tmp_path):
     result = json.loads(out.read_text())
     batch1 = result["batch1_tokens_per_s"]
     assert len(result["runs"]["c2_dspark"]["aggregate_runs"]) == 2  # every cell ran twice
+    assert result["config"]["cells"] == "side by side, step by step"
     assert set(batch1) == {"dspark", "plain", "hf_plain", "hf_assisted", "hf_prompt_lookup", "llamacpp_q4_1",
                            "llamacpp_bf16", "llamacpp_prompt_lookup"}
     assert batch1["dspark"] > 0 and batch1["plain"] > 0 and result["tau"] >= 1.0
@@ -727,7 +728,8 @@ def test_bench_reference_text_is_each_prompt_decoded_alone(tiny_ckpt, monkeypatc
 def test_bench_q4_1_cells_on_smollm2(smollm2_folder, tmp_path):
     """On SmolLM2 the bench also times dspark and plain at batch 1 on the GGUF's own Q4_1 weights
     (what llama.cpp's Q4_1 column runs), paired like every cell, each decoding its own build's
-    plain text; the moonshot reads our best build."""
+    plain text; the moonshot reads our best build. (--sequential: the cells' policies one run
+    after another, the bench's other mode.)"""
     import json
 
     from dspark.cli import main
@@ -735,9 +737,11 @@ def test_bench_q4_1_cells_on_smollm2(smollm2_folder, tmp_path):
     out = tmp_path / "bench.json"
     assert main(["bench", "--model", "smollm2", "--drafter", "ngram", "--domains", "code", "--n-prompts", "1",
                  "--max-tokens", "8", "--concurrency", "1", "--no-hf", "--no-llamacpp", "--no-t1",
-                 "--num-threads", "1", "--repeats", "2", "--capacity", "2", "--out", str(out)]) == 0
+                 "--num-threads", "1", "--repeats", "2", "--capacity", "2", "--sequential",
+                 "--out", str(out)]) == 0
     result = json.loads(out.read_text())
     batch1, runs, q4 = result["batch1_tokens_per_s"], result["runs"], result["q4_1"]
+    assert result["config"]["cells"] == "one after another"
     assert batch1["dspark_q4_1"] > 0 and batch1["plain_q4_1"] > 0
     assert len(runs["batch1_q4_1_dspark"]["aggregate_runs"]) == 2
     assert runs["batch1_q4_1_dspark"]["same_as_plain"] == 1.0  # on its own build's plain text
@@ -902,6 +906,42 @@ def test_bench_closed_loop_generates_matched_lengths(target, prompts, reference)
            if target.eos_token_ids and target.eos_token_ids[0] in tokens}
     capped = run_closed_loop(SpecEngine(target), prompts, 2, len(prompts), MAX_TOKENS, SamplingParams())
     assert all(len(o) == eos.get(i, MAX_TOKENS) for i, o in enumerate(capped["outputs"]))
+
+
+def test_bench_closed_loops_side_by_side_share_the_target(target, prompts, reference):
+    """`dspark bench`'s cells run their policies side by side, one engine step of each in turn on
+    one shared target: each engine serves all its requests, decodes plain's greedy text, holds
+    only its own slots (concurrency × engines at once, none left after) and is timed on its own
+    clock, the sum of its steps, which is less than the whole interleaved run."""
+    import time
+
+    from dspark.bench.e2e import run_closed_loops
+
+    lengths = [3 + 2 * i for i in range(len(prompts))]
+    engines = {"plain": SpecEngine(target), "mtp1": SpecEngine(target, NGramDrafter(gamma=4, n=3), "mtp1"),
+               "dspark": SpecEngine(target, NGramDrafter(gamma=4, n=3), "dspark", sps=SPS)}
+    held: list[int] = []
+    step = SpecEngine.step
+
+    def counting(self):
+        step(self)
+        held.append(target.cache.capacity - target.num_free_slots())
+
+    t0 = time.perf_counter()
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(SpecEngine, "step", counting)
+        runs = run_closed_loops(engines, prompts, 2, len(prompts) + 1, lengths, SamplingParams())
+    whole = time.perf_counter() - t0
+    assert max(held) > 2  # the engines really overlapped on the target
+    assert max(held) <= 2 * len(engines)
+    for name, run in runs.items():
+        assert run["requests"] == len(prompts) + 1, name
+        assert run["outputs"] == [ref[:n] for ref, n in zip(reference + reference[:1], lengths + lengths[:1])]
+        assert 0 < run["wall_s"] < whole
+        assert run["aggregate"] == pytest.approx(run["tokens"] / run["wall_s"])
+    assert sum(run["wall_s"] for run in runs.values()) < whole
+    for engine in engines.values():
+        check_clean(engine, target)
 
 
 @pytest.mark.parametrize("policy", ["none", "mtp1", "fixed:4", "dspark"])

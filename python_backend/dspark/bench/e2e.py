@@ -19,8 +19,10 @@ one run, on the same target and the same prompts (code, math, chat; greedy unles
 Greedy runs decode plain decoding's text (`dspark.bench.same_text`: in bf16 a near-tie would
 otherwise send each policy's text elsewhere, and a policy that lands in a loop prompt lookup
 drafts for free looks faster for it); `--free-text` lets them part.
-Tokens/s counts generated tokens over wall time, prefill included. Each of our cells runs
-`--repeats` times with its policies side by side in rotated order (median reported); the cost of
+Tokens/s counts generated tokens over the seconds spent in the engine's own steps, prefill
+included. Each of our cells runs `--repeats` times with its policies side by side, one engine step
+of each in turn (`--sequential`: one whole run after another, on the wall clock), their order
+rotated per repeat (median reported); the cost of
 drafting at R, which a running server measures once, is shared by the dspark runs. Writes
 results/bench_e2e_<model>.json and a PNG beside it."""
 
@@ -77,61 +79,93 @@ def load_prompts(model_key: str | None, domains: list[str], n: int, tokenizer) -
 
 # ---------------------------------------------------------------- our engine
 
+class _ClosedLoop:
+    """One engine's closed loop in `run_closed_loops`: its requests and its own clock (the
+    seconds spent inside its own `step()` calls)."""
+
+    def __init__(self, engine, prompts: list[list[int]], concurrency: int, num_requests: int,
+                 max_tokens: int | list[int], params: SamplingParams) -> None:
+        self.engine, self.prompts, self.num_requests = engine, prompts, num_requests
+        self.max_tokens, self.params = max_tokens, params
+        self.clock = 0.0
+        self.reqs: list = []
+        self.start: dict[str, float] = {}
+        self.done: dict[str, float] = {}
+        engine.generate([prompts[0]], 4, params)  # warm-up (allocator, numba), not timed
+        engine.reset_metrics()
+        while len(self.reqs) < min(concurrency, num_requests):
+            self.submit()
+
+    def submit(self) -> None:
+        i = len(self.reqs) % len(self.prompts)
+        if isinstance(self.max_tokens, list):
+            req = self.engine.add_request(self.prompts[i], self.max_tokens[i], self.params, stop_token_ids=[])
+        else:
+            req = self.engine.add_request(self.prompts[i], self.max_tokens, self.params)
+        self.start[req.request_id] = self.clock
+        self.reqs.append(req)
+
+    def step(self) -> None:
+        t = time.perf_counter()
+        self.engine.step()
+        self.clock += time.perf_counter() - t
+        for r in self.reqs:
+            if r.finished and r.request_id not in self.done:
+                self.done[r.request_id] = self.clock
+                if len(self.reqs) < self.num_requests:
+                    self.submit()
+
+    def result(self) -> dict:
+        reqs, m = self.reqs, self.engine.metrics
+        tokens = sum(len(r.output) for r in reqs)
+        steps = max(m.steps, 1)
+        latency = {r.request_id: self.done[r.request_id] - self.start[r.request_id] for r in reqs}
+        cost = self.engine.policy.draft_cost if self.engine.policy is not None else None
+        by_r = {"propose": cost.to_dict() if cost else {}, "overhead": cost.overheads() if cost else {},
+                "scale": cost.verify_scales() if cost else {}, "rate": cost.measured_rates() if cost else {}}
+        return {"aggregate": tokens / self.clock,
+                "per_user": sum(len(r.output) / latency[r.request_id] for r in reqs) / len(reqs),
+                "tokens": tokens, "wall_s": self.clock, "requests": len(reqs), "steps": m.steps,
+                "draft_steps": m.draft_steps,
+                "tau": sum(r.verify_emitted for r in reqs) / max(sum(r.verify_steps for r in reqs), 1),
+                "mean_verify_tokens_per_step": m.verify_tokens / steps,
+                "drafter_fallbacks": m.drafter_fallbacks,
+                "step_ms": {k: 1e3 * v / steps for k, v in m.time_s.items()},
+                "propose_ms_by_requests": {str(r): 1e3 * s for r, s in by_r["propose"].items()},
+                "step_overhead_ms_by_requests": {
+                    kind: {str(r): 1e3 * s for r, s in of.items()} for kind, of in by_r["overhead"].items()},
+                "verify_scale_by_requests": {str(r): v for r, v in by_r["scale"].items()},
+                "measured_tokens_per_s_by_requests": {
+                    kind: {str(r): v for r, v in of.items()} for kind, of in by_r["rate"].items()},
+                "outputs": [r.output for r in reqs]}
+
+
+def run_closed_loops(engines: dict[str, object], prompts: list[list[int]], concurrency: int,
+                     num_requests: int, max_tokens: int | list[int],
+                     params: SamplingParams) -> dict[str, dict]:
+    """One closed loop per engine (a policy each), run side by side: one step of each in turn,
+    each timed on its own clock, the seconds inside its own steps. Per engine, `num_requests`
+    requests (prompts in turn), `concurrency` in flight at all times (a new one joins when one
+    finishes). Aggregate = tokens / its clock; per-user = mean of tokens / latency on that clock.
+    max_tokens: one cap for all, stopping at eos; or one length per prompt, generated exactly
+    (no stop tokens): every policy then does the same work.
+    Step by step side by side, a slow spell of a shared machine (minutes long on the 2-core VMs:
+    one plain run measured 97 and 121 tokens/s two minutes apart) slows every policy alike,
+    where runs one after another each meet their own. The engines may share a target and drafter
+    (each request holds its own KV slot: the target needs concurrency × engines slots)."""
+    loops = {name: _ClosedLoop(engine, prompts, concurrency, num_requests, max_tokens, params)
+             for name, engine in engines.items()}
+    while any(loop.engine.has_work() for loop in loops.values()):
+        for loop in loops.values():
+            if loop.engine.has_work():
+                loop.step()
+    return {name: loop.result() for name, loop in loops.items()}
+
+
 def run_closed_loop(engine, prompts: list[list[int]], concurrency: int, num_requests: int,
                     max_tokens: int | list[int], params: SamplingParams) -> dict:
-    """`num_requests` requests (prompts in turn), `concurrency` in flight at all times (a new one
-    joins when one finishes). Aggregate = tokens / wall; per-user = mean of tokens / latency.
-    max_tokens: one cap for all, stopping at eos; or one length per prompt, generated exactly
-    (no stop tokens): every policy then does the same work."""
-    engine.generate([prompts[0]], 4, params)  # warm-up (allocator, numba), not timed
-    engine.reset_metrics()
-    t0 = time.perf_counter()
-    start: dict[str, float] = {}
-    done: dict[str, float] = {}
-    reqs = []
-
-    def submit() -> None:
-        i = len(reqs) % len(prompts)
-        if isinstance(max_tokens, list):
-            req = engine.add_request(prompts[i], max_tokens[i], params, stop_token_ids=[])
-        else:
-            req = engine.add_request(prompts[i], max_tokens, params)
-        start[req.request_id] = time.perf_counter()
-        reqs.append(req)
-
-    while len(reqs) < min(concurrency, num_requests):
-        submit()
-    while engine.has_work():
-        engine.step()
-        for r in reqs:
-            if r.finished and r.request_id not in done:
-                done[r.request_id] = time.perf_counter()
-                if len(reqs) < num_requests:
-                    submit()
-    wall = time.perf_counter() - t0
-    m = engine.metrics
-    tokens = sum(len(r.output) for r in reqs)
-    steps = max(m.steps, 1)
-    latency = {r.request_id: done[r.request_id] - start[r.request_id] for r in reqs}
-    per_user = sum(len(r.output) / latency[r.request_id] for r in reqs) / len(reqs)
-    return {"aggregate": tokens / wall, "per_user": per_user,
-            "tokens": tokens, "wall_s": wall, "requests": len(reqs), "steps": m.steps,
-            "draft_steps": m.draft_steps,
-            "tau": sum(r.verify_emitted for r in reqs) / max(sum(r.verify_steps for r in reqs), 1),
-            "mean_verify_tokens_per_step": m.verify_tokens / steps, "drafter_fallbacks": m.drafter_fallbacks,
-            "step_ms": {k: 1e3 * v / steps for k, v in m.time_s.items()},
-            "propose_ms_by_requests": {str(r): 1e3 * s for r, s in (
-                engine.policy.draft_cost.to_dict().items() if engine.policy is not None else [])},
-            "step_overhead_ms_by_requests": {
-                kind: {str(r): 1e3 * s for r, s in by_r.items()} for kind, by_r in (
-                    engine.policy.draft_cost.overheads().items() if engine.policy is not None else [])},
-            "verify_scale_by_requests": {
-                str(r): v for r, v in (engine.policy.draft_cost.verify_scales().items()
-                                       if engine.policy is not None else [])},
-            "measured_tokens_per_s_by_requests": {
-                kind: {str(r): v for r, v in by_r.items()} for kind, by_r in (
-                    engine.policy.draft_cost.measured_rates().items() if engine.policy is not None else [])},
-            "outputs": [r.output for r in reqs]}
+    """`run_closed_loops` of one engine."""
+    return run_closed_loops({"": engine}, prompts, concurrency, num_requests, max_tokens, params)[""]
 
 
 def same_text_share(outputs: list[list[int]], reference: list[list[int]]) -> float:
@@ -449,6 +483,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "request's")
     p.add_argument("--repeats", type=int, default=3,
                    help="runs per batch-1 / concurrency cell (policy order rotated); median reported")
+    p.add_argument("--sequential", action="store_true",
+                   help="run a cell's policies one after another, each on the wall clock (default: side "
+                        "by side, one engine step of each in turn, each timed on its own clock, so a "
+                        "slow spell of a shared machine slows them alike)")
     p.add_argument("--no-hf", action="store_true", help="skip the transformers baselines")
     p.add_argument("--no-llamacpp", action="store_true", help="skip the llama.cpp baselines")
     p.add_argument("--no-t1", action="store_true", help="skip the T = 1 runs")
@@ -539,7 +577,9 @@ def main(args: argparse.Namespace) -> int:
     concurrency = [int(c) for c in args.concurrency.split(",") if c]
     if 1 not in concurrency:
         raise SystemExit(f"--concurrency {args.concurrency}: include 1 (the batch-1 columns come from it)")
-    spec = replace(spec, capacity=max(spec.capacity, *concurrency))
+    # side by side, a cell's engines share the target: each needs its own slots
+    side_by_side = 1 if args.sequential else len(POLICIES)
+    spec = replace(spec, capacity=max(spec.capacity, max(concurrency) * side_by_side))
     target = wiring.load_target(spec)
     drafter = wiring.load_drafter(spec, target)
     if drafter is None:
@@ -600,19 +640,28 @@ def main(args: argparse.Namespace) -> int:
     if not args.no_t1:
         cells += [[("batch1_T1_dspark", "dspark", 1, t1, ""), ("batch1_T1_plain", "plain", 1, t1, "")]]
     cells += [[(f"c{c}_{p}", p, c, greedy, "") for p in POLICIES] for c in concurrency]
-    # every cell `repeats` times, its policies side by side in an order rotated per repeat, so a
-    # slow spell of this shared machine hits each policy alike; the median run is reported
-    jobs = [cell[(i + k) % len(cell)]
-            for i in range(args.repeats) for cell in cells for k in range(len(cell))]
+    # every cell `repeats` times, its policies side by side (`run_closed_loops`: one engine step of
+    # each in turn; with --sequential one run after another), their order rotated per repeat; the
+    # median run is reported. llama.cpp's arm runs on its own, after ours.
+    groups = []
+    for i in range(args.repeats):
+        for cell in cells:
+            arms = [cell[(i + k) % len(cell)] for k in range(len(cell))]
+            ours = [arm for arm in arms if arm[1] != "llamacpp"]
+            groups += [[arm] for arm in ours] if args.sequential else [ours]
+            groups += [[arm] for arm in arms if arm[1] == "llamacpp"]
     tries: dict[str, list[dict]] = {}
-    for name, policy, c, params, build in tqdm(jobs, desc="dspark bench", unit="run"):
+    for group in tqdm(groups, desc="dspark bench", unit="cell run"):
+        name, policy, c, params, build = group[0]  # a cell's arms share c, params and build
         if policy == "llamacpp":
             assert llama_q4 is not None  # the arm exists only with it
             tries.setdefault(name, []).append(llama_q4.run(prompts, args.max_tokens))
             continue
-        tries.setdefault(name, []).append(
-            run_closed_loop(engine(policy, params, build), prompts, c, max(c * args.waves, n_b1),
-                            builds[build].matched if params.greedy else args.max_tokens, params))
+        engines = {arm[0]: engine(arm[1], params, build) for arm in group}
+        measured = run_closed_loops(engines, prompts, c, max(c * args.waves, n_b1),
+                                    builds[build].matched if params.greedy else args.max_tokens, params)
+        for arm_name, run in measured.items():
+            tries.setdefault(arm_name, []).append(run)
     runs: dict[str, dict] = {}
     for name, rs in tries.items():
         runs[name] = sorted(rs, key=lambda r: r["aggregate"])[len(rs) // 2]
@@ -688,6 +737,7 @@ def main(args: argparse.Namespace) -> int:
                    "sps_table": sps_table.to_dict(),
                    "prompts": prompt_source, "domains": args.domains, "num_prompts": n_b1,
                    "max_tokens": args.max_tokens, "repeats": args.repeats, "waves": args.waves,
+                   "cells": "one after another" if args.sequential else "side by side, step by step",
                    "device": str(target.device),
                    "greedy_lengths": "stop at eos" if args.stop_at_eos else matched,
                    "same_text": main_build.same_text is not None,
