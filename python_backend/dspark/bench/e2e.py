@@ -121,8 +121,9 @@ class _ClosedLoop:
         steps = max(m.steps, 1)
         latency = {r.request_id: self.done[r.request_id] - self.start[r.request_id] for r in reqs}
         cost = self.engine.policy.draft_cost if self.engine.policy is not None else None
-        by_r = {"propose": cost.to_dict() if cost else {}, "overhead": cost.overheads() if cost else {},
-                "scale": cost.verify_scales() if cost else {}, "rate": cost.measured_rates() if cost else {}}
+        by_r = ({"propose": cost.to_dict(), "overhead": cost.overheads(), "scale": cost.verify_scales(),
+                 "rate": cost.measured_rates()}
+                if cost else dict.fromkeys(("propose", "overhead", "scale", "rate"), {}))
         return {"aggregate": tokens / self.clock,
                 "per_user": sum(len(r.output) / latency[r.request_id] for r in reqs) / len(reqs),
                 "tokens": tokens, "wall_s": self.clock, "requests": len(reqs), "steps": m.steps,
