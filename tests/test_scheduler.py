@@ -4,6 +4,7 @@ retrospective policy."""
 
 from __future__ import annotations
 
+import copy
 import math
 
 import numpy as np
@@ -14,6 +15,14 @@ from dspark.runtime.scheduler import Policy, make_policy, sts_survival
 from dspark.runtime.sps import DraftCost, SPSTable
 
 ALL_SPECS = ["none", "mtp1", "fixed:3", "threshold:0.6", "dspark-theory", "dspark"]
+
+
+def uniform_measured(policy: Policy, num_requests: int, rate: float = 1.0) -> None:
+    """Report RATE_MIN_STEPS uniform-shape steps at R delivering `rate` tokens/s, as an engine
+    does after the rule's first uniform steps there (`DSpark._pick_shape`): the rule then weighs
+    its ranked model against plain decoding, with the uniform side far behind."""
+    for _ in range(DraftCost.RATE_MIN_STEPS):
+        policy.draft_cost.observe_rate(num_requests, True, rate, 1.0, uniform=True)
 
 
 def random_batch(gen: torch.Generator, num_requests: int, gamma: int):
@@ -152,12 +161,16 @@ def test_dspark_budget_follows_t_minus_2_snapshot_only():
 
 def admitted(policy_spec: str, sps: SPSTable, history: list, survival, remaining, gamma, max_tokens,
              draft_cost: DraftCost | None = None, recal: tuple | None = None):
+    """ℓ of the step after `history`. With a drafting cost, the cost rule is asked first, as the
+    engine does before drafting (skip: ℓ = 0; its shape: ranked or uniform)."""
     policy = make_policy(policy_spec, sps=sps, gamma=gamma, max_batch_tokens=max_tokens,
-                         draft_cost=draft_cost)
+                         draft_cost=copy.deepcopy(draft_cost))
     if recal is not None:  # past outcomes: per-level predicted mass and acceptances
         policy._predicted[:], policy._accepted[:] = recal
     for old in history:
         policy.decide(old, remaining)
+    if draft_cost is not None and not policy.wants_draft(survival.shape[0]):
+        return torch.zeros(survival.shape[0], dtype=torch.int64)
     return policy.decide(survival, remaining)
 
 
@@ -174,8 +187,9 @@ def count_anticipation_violations(spec: str, trials: int, seed: int = 0, draftin
     """Perturb ĉ_{r,j+1..γ} (what a different d_{r,j} would give) and check that whether (r, i)
     is admitted, for every i ≤ j, never changes. Other rows may change (global interaction).
     drafting_cost: Θ counts a random drafting time per step (the cost-aware budget) and a random
-    fitted forward (draft rows' price scale), and the survivals carry random recalibration
-    factors (as if learned from past steps). ragged: the SPS
+    fitted forward (draft rows' price scales), the survivals carry random recalibration
+    factors (as if learned from past steps), and the cost rule (draft or skip, ranked or uniform
+    shape) runs before the step on random measured plain and uniform rates. ragged: the SPS
     table carries a random (R, tokens per request) grid, so Θ's step time depends on R too."""
     gen = torch.Generator().manual_seed(seed)
     gamma, violations = 4, 0
@@ -189,10 +203,14 @@ def count_anticipation_violations(spec: str, trials: int, seed: int = 0, draftin
         recal = None
         if drafting_cost:  # past outcomes: predicted mass and acceptances per survival level
             recal = tuple(torch.rand(len(Policy.LEVELS), generator=gen).numpy() * 20 for _ in range(2))
-            a, b = (0.5 + 2 * torch.rand(2, generator=gen)).tolist()  # past forwards' price scales
+            a, b, c = (0.5 + 2 * torch.rand(3, generator=gen)).tolist()  # past forwards' price scales
             for _ in range(DraftCost.VERIFY_MIN_STEPS):
-                base, rows = 0.02, float(torch.rand(1, generator=gen)) / 20
-                cost.observe_verify(num_requests, a * base + b * rows, base, rows)
+                base, rows, beyond = 0.02, *(torch.rand(2, generator=gen) / 20).tolist()
+                cost.observe_verify(num_requests, a * base + b * rows + c * beyond, base, rows, beyond)
+            plain_rate, uniform_rate = (torch.rand(2, generator=gen) * 400).tolist()  # tokens/s
+            for _ in range(DraftCost.RATE_MIN_STEPS):
+                cost.observe_rate(num_requests, False, plain_rate / 100, 0.01)
+                cost.observe_rate(num_requests, True, uniform_rate / 100, 0.01, uniform=True)
         history = [random_batch(gen, num_requests, gamma)[0].cumprod(1) for _ in range(2)]
         conf, remaining = random_batch(gen, num_requests, gamma)
         r = int(torch.randint(0, num_requests, (1,), generator=gen))
@@ -255,6 +273,7 @@ def test_draft_or_skip_reads_only_step_t_minus_2():
 
     def wants(t_minus_1, now, correction: float | None = None) -> bool:
         policy = make_policy("dspark", sps=flat, gamma=gamma, draft_cost=DraftCost({num_requests: 0.005}))
+        uniform_measured(policy, num_requests)
         for _ in range(DraftCost.RATE_MIN_STEPS if correction is not None else 0):  # past steps
             policy.draft_cost.observe_prediction(num_requests, 1000.0)  # predicted 1000 tokens/s,
             policy.observe_rate(num_requests, True, 20 * correction, 0.02)  # delivered 1000 x correction
@@ -287,9 +306,10 @@ def test_cost_rule_skips_drafting_only_when_it_is_slower_than_plain():
     policy.decide(low, rem)
     assert policy.wants_draft(r)  # nothing measured: draft
     policy.observe_draft(r, 0.005)
-    decisions = [policy.wants_draft(r) for _ in range(16 + 1 + 32 + 1 + 64 + 1)]
-    probes = [i for i, d in enumerate(decisions) if d]
-    assert probes == [16, 16 + 1 + 32, 16 + 1 + 32 + 1 + 64]  # probes only, backing off
+    explore = DraftCost.RATE_MIN_STEPS  # first, the uniform shape's steps at R (`_pick_shape`)
+    decisions = [policy.wants_draft(r) for _ in range(explore + 16 + 1 + 32 + 1 + 64 + 1)]
+    probes = [i - explore for i, d in enumerate(decisions) if d]
+    assert probes == [*range(-explore, 0), 16, 16 + 1 + 32, 16 + 1 + 32 + 1 + 64]  # probes only, backing off
     long_run = [policy.wants_draft(r) for _ in range(3000)]
     assert 3000 // 257 <= long_run.count(True) <= 3000 // 128  # capped at one probe per 256 skips
     for _ in range(8):  # the average curve follows confident steps within a few steps
@@ -353,6 +373,7 @@ def test_cost_rule_counts_whole_step_overheads():
 
     def wants(drafted_s: float, plain_s: float, learn: bool = True) -> bool:
         policy = make_policy("dspark", sps=flat, gamma=gamma, draft_cost=DraftCost({r: 0.001}, learn=learn))
+        uniform_measured(policy, r)
         policy.decide(mid, rem)
         policy.decide(mid, rem)
         for _ in range(50):  # steps of 10 ms target + overhead (+ 1 ms propose when drafted)
@@ -374,40 +395,55 @@ def test_cost_rule_counts_whole_step_overheads():
 
 def test_draft_rows_price_scale_is_fitted_and_shrinks_budgets():
     """Drafted steps report their target forward (`observe_step(..., verify_seconds)`); the rule
-    fits forward ≈ a·(anchor rows' price) + b·(draft rows' price) per class of R. Draft rows
-    that cost twice their table price (live ragged budgets the grid underprices) make every draft
-    token dearer, so the budget shrinks; a forward that is slower as a whole (a busier machine)
-    is read as a = b, not as costly draft rows; nothing is fitted before VERIFY_MIN_STEPS."""
+    fits forward ≈ a·(anchor rows' price) + b·(first R draft rows' price) + c·(further rows'
+    price) per class of R. Draft rows that cost twice their table price (live ragged budgets the
+    grid underprices) make every draft token dearer, so the budget shrinks, and rows past the
+    first R that cost 3x (compute-bound on a CPU) shrink it further; a forward that is slower as
+    a whole (a busier machine) is read as a = b = c, not as costly draft rows; nothing is fitted
+    before VERIFY_MIN_STEPS."""
     table = SPSTable([1, 4, 8, 16, 32], [100.0, 95.0, 80.0, 50.0, 28.0])
     r, gamma = 4, 7
     rem = torch.full((r,), 1000)
     surv = torch.full((r, gamma), 0.8).cumprod(1)
 
-    def run(a: float, b: float, steps: int = 40) -> tuple[tuple[float, float], int]:
+    def run(a: float, b: float, c: float | None = None, steps: int = 40):
+        """-> (fitted scales, the budget, the fitted forward ÷ the true one at B = R + 1 .. R + 19)"""
         policy = make_policy("dspark", sps=table, gamma=gamma, draft_cost=DraftCost({r: 0.001}))
         sps = policy.sps_for(r)
+
+        def forward(batch: int, a: float, b: float, c: float) -> float:
+            base, knee = 1 / sps[r], 1 / sps[min(batch, 2 * r)]
+            return a * base + b * (knee - base) + c * (1 / sps[batch] - knee)
+
+        c = b if c is None else c
         for i in range(steps):
             batch = r + i % 20
-            base, rows = 1 / sps[r], 1 / sps[batch] - 1 / sps[r]
-            forward = a * base + b * rows
-            policy.observe_step(r, batch, True, 0.001 + forward + 0.0005, 0.001, forward)
+            policy.observe_step(r, batch, True, 0.001 + forward(batch, a, b, c) + 0.0005, 0.001,
+                                forward(batch, a, b, c))
         for _ in range(3):
             policy.decide(surv, rem)
-        return policy.draft_cost.verify_scale(r), policy.last_budget
+        scales = policy.draft_cost.verify_scale(r)
+        ratio = [forward(bt, *scales) / forward(bt, a, b, c) for bt in range(r + 1, r + 20)]
+        return scales, policy.last_budget, np.array(ratio)
 
-    (a1, b1), priced = run(1.0, 1.0)
-    (a2, b2), dear = run(1.0, 2.0)
-    assert (a1, b1) == pytest.approx((1.0, 1.0), abs=0.01) and b2 == pytest.approx(2.0, abs=0.1)
-    assert dear < priced
-    (a3, b3), _ = run(1.3, 1.3)
-    assert a3 == pytest.approx(1.3, abs=0.05) and b3 == pytest.approx(1.3, abs=0.05)
-    assert run(1.0, 2.0, steps=DraftCost.VERIFY_MIN_STEPS - 1)[0] == (1.0, 1.0)
+    scales, priced, fit = run(1.0, 1.0)
+    assert scales == pytest.approx((1.0, 1.0, 1.0), abs=0.01)
+    # the first R rows are told apart from the anchors only by steps with fewer draft rows: the
+    # ridge shares their price, and the forward comes out right
+    scales, dear, fit = run(1.0, 2.0)
+    assert scales[2] == pytest.approx(2.0, abs=0.1) and fit == pytest.approx(1.0, abs=0.03) and dear < priced
+    scales, dearer, fit = run(1.0, 1.0, 3.0)  # only the rows past the first R dearer
+    assert scales[2] == pytest.approx(3.0, abs=0.15) and fit == pytest.approx(1.0, abs=0.05)
+    assert dear <= dearer < priced
+    scales, _, fit = run(1.3, 1.3)
+    assert scales == pytest.approx((1.3, 1.3, 1.3), abs=0.05)
+    assert run(1.0, 2.0, steps=DraftCost.VERIFY_MIN_STEPS - 1)[0] == (1.0, 1.0, 1.0)
     rng = np.random.default_rng(0)  # noisy steps with little spread in the budget: a ≈ b
     cost = DraftCost()
     for _ in range(300):
         rows = 0.027 + rng.normal(0, 0.001)
         cost.observe_verify(32, 1.3 * (0.074 + rows) + rng.normal(0, 0.005), 0.074, rows)
-    assert cost.verify_scale(32) == pytest.approx((1.3, 1.3), abs=0.06)
+    assert cost.verify_scale(32) == pytest.approx((1.3, 1.3, 1.3), abs=0.06)
     assert list(cost.verify_scales()) == [32]
 
 
@@ -431,12 +467,13 @@ def test_cost_rule_corrects_its_model_with_what_steps_delivered():
         for _ in range(2):  # two past steps: the model has a survival curve from the first step on
             policy.decide(powers(p), rem)
         decisions = []
-        for _ in range(steps):
+        drafted = policy.wants_draft(r)
+        for _ in range(steps):  # the engine's order: decide, verify, the rule for the next step, rates
             policy.decide(powers(p), rem)
-            drafted = policy.wants_draft(r)
             tokens = delivered * policy.last_rates[0] * spec_s if drafted else r
-            policy.observe_rate(r, drafted, tokens, spec_s if drafted else plain_s)
             decisions.append(drafted)
+            drafted, was_drafted = policy.wants_draft(r), drafted
+            policy.observe_rate(r, was_drafted, tokens, spec_s if was_drafted else plain_s)
         return decisions[steps // 2:], policy
 
     late, policy = simulate(0.27, 1.0)
@@ -461,7 +498,61 @@ def test_cost_rule_corrects_its_model_with_what_steps_delivered():
     cost = DraftCost()
     for tokens, seconds in ((6, 0.02), (2, 0.02), (4, 0.05)):
         cost.observe_rate(2, True, tokens, seconds)
-    assert cost.measured_rates() == {"speculative": {2: pytest.approx(4 / 0.03)}, "plain": {}}
+    cost.observe_rate(3, True, 6, 0.02, uniform=True)  # a uniform-shape step counts apart
+    assert cost.measured_rates() == {"speculative": {2: pytest.approx(4 / 0.03)}, "plain": {},
+                                     "uniform": {3: pytest.approx(300.0)}}
+
+
+def test_cost_rule_picks_the_shape_that_delivered_more():
+    """Drafted steps take one of two shapes (`DSpark._pick_shape`): the ranked budget or one draft
+    per request (uniform, as MTP-1). The first RATE_MIN_STEPS drafted steps at R are uniform (to
+    measure it; the rates of a step arrive after the next step's shape is chosen: one more), then
+    the shape whose rate is higher (uniform: measured; ranked: the model,
+    corrected), with a step of the other after probe_every, 2x, 4x ... drafted steps. The shape is
+    fixed before the step's survivals are seen: a uniform step's ℓ = min(cap, 1) whatever they
+    are (non-anticipating, so lossless). Frozen costs: always ranked."""
+    flat = SPSTable([1, 1024], [100.0, 99.0])
+    r, gamma = 4, 7
+    gen = torch.Generator().manual_seed(5)
+    rem = torch.tensor([1000, 1000, 1000, 1])  # the last request may emit one token: cap 0
+    spec_s, plain_s = 0.002 + 1 / flat(r + 1), 1 / flat(r)
+
+    def run(uniform_gain: float, steps: int = 120, learn: bool = True):
+        """Steps at random survivals; ranked steps deliver what the model predicts, uniform ones
+        `uniform_gain` x that. -> (shape of each drafted step, policy)."""
+        policy = make_policy("dspark", sps=flat, gamma=gamma, draft_cost=DraftCost({r: 0.002}, learn=learn))
+        high = torch.full((r, gamma), 0.9).cumprod(1)
+        for _ in range(2):
+            policy.decide(high, rem)
+        shapes, drafted = [], policy.wants_draft(r)
+        for _ in range(steps):
+            now = torch.rand(r, gamma, generator=gen).cumprod(1) ** 0.3
+            lengths = policy.decide(now, rem)
+            if policy.shape == "uniform":
+                assert lengths.tolist() == [1, 1, 1, 0]
+            gain = uniform_gain if policy.shape == "uniform" else 1.0
+            tokens = policy.last_rates[0] * spec_s * gain if drafted else r
+            if drafted:
+                shapes.append(policy.shape)
+            drafted, was = policy.wants_draft(r), drafted
+            policy.observe_rate(r, was, tokens, spec_s if was else plain_s)
+        return shapes, policy
+
+    # a step's rate is reported after the rule chose the next step's shape: one more uniform step
+    explore = DraftCost.RATE_MIN_STEPS + 1
+    shapes, policy = run(1.5)
+    assert shapes[:explore] == ["uniform"] * explore
+    probes = [i for i, s in enumerate(shapes) if s == "ranked"]
+    first = explore + policy.probe_every
+    assert probes[:2] == [first, first + 1 + 2 * policy.probe_every]  # backing off
+    assert policy.last_uniform_rate > policy.last_rates[1]
+    shapes, policy = run(0.6)
+    assert shapes[:explore] == ["uniform"] * explore
+    later = shapes[explore:]
+    assert later.count("uniform") <= 3 and len(later) > 100  # ranked, but for the probes
+    assert policy.draft_cost.measured_rates()["uniform"][r] < policy.last_rates[1]
+    shapes, _ = run(1.5, learn=False)
+    assert set(shapes) == {"ranked"}
 
 
 def test_warm_from_carries_the_learned_state_not_the_batch():
@@ -472,6 +563,7 @@ def test_warm_from_carries_the_learned_state_not_the_batch():
     rem = torch.full((r,), 1000)
     low = torch.full((r, gamma), 0.05).cumprod(1)
     used = make_policy("dspark", sps=flat, gamma=gamma, draft_cost=DraftCost({r: 0.005}))
+    uniform_measured(used, r)
     for _ in range(3):
         ells = used.decide(low, rem)
         used.observe_acceptance(low, ells, torch.zeros(r, dtype=torch.int64))

@@ -128,6 +128,8 @@ class _ClosedLoop:
                 "per_user": sum(len(r.output) / latency[r.request_id] for r in reqs) / len(reqs),
                 "tokens": tokens, "wall_s": self.clock, "requests": len(reqs), "steps": m.steps,
                 "draft_steps": m.draft_steps,
+                # drafted steps of one draft per request (`DSpark._pick_shape`), the rest ranked
+                "uniform_steps": self.engine.policy.uniform_steps if self.engine.policy is not None else 0,
                 "tau": sum(r.verify_emitted for r in reqs) / max(sum(r.verify_steps for r in reqs), 1),
                 "mean_verify_tokens_per_step": m.verify_tokens / steps,
                 "drafter_fallbacks": m.drafter_fallbacks,

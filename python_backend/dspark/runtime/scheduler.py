@@ -49,6 +49,9 @@ class Policy:
     # drafts after `probe_every` skipped steps, then after 2x, 4x, ... up to `probe_max`
     probe_every = 16
     probe_max = 256
+    # the shape of the step decide() last scheduled: "ranked" (the policy's own rule) or "uniform"
+    # (one draft per request, as MTP-1; chosen by `DSpark.wants_draft` for the step after)
+    shape = "ranked"
 
     def __init__(self, sps: SPSTable | None = None, gamma: int = 7, max_batch_tokens: int = 4096,
                  draft_cost: DraftCost | None = None):
@@ -68,6 +71,12 @@ class Policy:
                                        dtype=np.int64)
         self._snapshots: deque[np.ndarray] = deque(maxlen=2)  # admissible survivals of t−2, t−1
         self.last_budget = 0
+        self._next_shape = "ranked"  # the shape wants_draft chose for the coming step
+        self.uniform_steps = 0  # decides of the uniform shape (for reports)
+        # per class of R: [drafted steps since the shape the rates do not favour last ran, steps
+        # between such probes]
+        self._shape_runs: dict[int, list[int]] = {}
+        self._uniform_tries: dict[int, int] = {}  # R -> uniform steps chosen while it was unmeasured
         # cost rule's probe back-off per class of R (R.bit_length()): [skipped steps, interval]
         self._probes: dict[int, list[int]] = {}
         self._profile: np.ndarray | None = None  # cost rule: average sorted survival curve (≤ t−1)
@@ -80,6 +89,9 @@ class Policy:
     def reset(self) -> None:
         self._snapshots.clear()
         self.last_budget = 0
+        self.shape = self._next_shape = "ranked"
+        self._shape_runs = {}
+        self._uniform_tries = {}
         self._probes = {}
         self._profile = None
         self._predicted[:] = 0.0
@@ -94,6 +106,8 @@ class Policy:
         if self.draft_cost.learn and other.draft_cost.learn:
             self.draft_cost = copy.deepcopy(other.draft_cost)
         self._probes = {c: list(v) for c, v in other._probes.items()}
+        self._shape_runs = {c: list(v) for c, v in other._shape_runs.items()}
+        self._uniform_tries = dict(other._uniform_tries)
         self._predicted[:], self._accepted[:] = other._predicted, other._accepted
 
     RECAL_DECAY = 0.99  # per observed step: the recalibration remembers ~100 steps
@@ -194,12 +208,14 @@ class Policy:
         sps = self.sps_for(num_requests)
         if sps is None:
             return
+        # the table's price of the anchor rows, the first R draft rows and the rest
         base = 1.0 / sps[min(num_requests, batch_tokens)]
-        rows = 1.0 / sps[batch_tokens] - base  # the table's price of the draft rows
+        rows = 1.0 / sps[min(batch_tokens, 2 * num_requests)] - base
+        beyond = 1.0 / sps[batch_tokens] - base - rows
         if drafted and verify_seconds is not None:
-            self.draft_cost.observe_verify(num_requests, verify_seconds, base, rows)
-        a, b = self.draft_cost.verify_scale(num_requests) if drafted else (1.0, 1.0)
-        overhead = seconds - propose_seconds - a * base - b * rows
+            self.draft_cost.observe_verify(num_requests, verify_seconds, base, rows, beyond)
+        a, b, c = self.draft_cost.verify_scale(num_requests) if drafted else (1.0, 1.0, 1.0)
+        overhead = seconds - propose_seconds - a * base - b * rows - c * beyond
         self.draft_cost.observe_overhead(num_requests, drafted, overhead)
 
     def observe_rate(self, num_requests: int, speculative: bool, tokens: int, seconds: float) -> None:
@@ -207,7 +223,8 @@ class Policy:
         `seconds`, speculative (it verified drafts; propose counted) or plain (the cost rule's
         measured side: `DraftCost.plain_rate`, `DraftCost.speculative_correction`)."""
         if self.counts_drafting:
-            self.draft_cost.observe_rate(num_requests, speculative, tokens, seconds)
+            self.draft_cost.observe_rate(num_requests, speculative, tokens, seconds,
+                                         uniform=self.shape == "uniform")
 
     def sps_for(self, num_requests: int) -> np.ndarray | None:
         """SPS by B = 0..max_batch_tokens for a step of R requests (f64; cached per R): the table's
@@ -221,15 +238,18 @@ class Policy:
 
     def step_rate(self, num_requests: int) -> np.ndarray | None:
         """Steps/second by token batch B for a drafted step of R requests: 1 / (t_draft(R) +
-        overhead(R) + a/SPS_R(R) + b·(1/SPS_R(B) − 1/SPS_R(R))), (a, b) = verify_scale(R), when
-        this policy counts drafting and a cost is known, else SPS_R."""
+        overhead(R) + a/SPS_R(R) + b·(1/SPS_R(min(B, 2R)) − 1/SPS_R(R)) + c·(1/SPS_R(B) −
+        1/SPS_R(min(B, 2R)))), (a, b, c) = verify_scale(R), when this policy counts drafting and
+        a cost is known, else SPS_R."""
         sps = self.sps_for(num_requests)
         t_draft = self.draft_cost(num_requests) if self.counts_drafting else None
         if sps is None or not t_draft:
             return sps
-        base = 1.0 / sps[min(num_requests, len(sps) - 1)]
-        a, b = self.draft_cost.verify_scale(num_requests)
-        forward = a * base + b * (1.0 / sps - base)
+        price = 1.0 / sps
+        base = price[min(num_requests, len(sps) - 1)]
+        knee = price[np.minimum(np.arange(len(sps)), 2 * num_requests)]  # B capped at 2R
+        a, b, c = self.draft_cost.verify_scale(num_requests)
+        forward = a * base + b * (knee - base) + c * (price - knee)
         drafted_s = t_draft + self.draft_cost.overhead(num_requests, True) + forward
         return 1.0 / np.maximum(drafted_s, MIN_STEP_S)
 
@@ -271,11 +291,13 @@ class Policy:
                                  gamma)
         self._sps_now = self.step_rate(num_requests)
         room = max(min(self.max_batch_tokens - num_requests, int(cap.sum())), 0)  # B ≤ max tokens
-        if self.uses_ranking_budget:
+        self.shape = "uniform" if self.uses_ranking_budget and self._next_shape == "uniform" else "ranked"
+        self.uniform_steps += self.shape == "uniform"
+        if self.shape == "ranked" and self.uses_ranking_budget:
             k = min(max(self._budget(a, cap, room), 0), room) if room > 0 else 0
             lengths = ranking.top_k_lengths(a, cap, k)
-        else:
-            lengths = self._admit_lengths(a, cap)
+        else:  # a uniform step reads no survival: one draft per request, as MTP-1
+            lengths = np.minimum(cap, 1) if self.shape == "uniform" else self._admit_lengths(a, cap)
             if int(lengths.sum()) > room:  # batch-token cap: keep the best-ranked admitted ones
                 lengths = ranking.top_k_lengths(a, lengths, room)
             k = int(lengths.sum())
@@ -367,8 +389,11 @@ class DSpark(Policy):
             self.name = "dspark:delayed"
 
     walk_tol = 0.01  # the snapshot's walk within 1 % of its argmax Θ: follow the walk alone
-    # the cost rule's last comparison, tokens/s: (model's speculative, corrected, plain)
+    close_call = 0.9  # the cost rule's probes do not back off while speculation is within 10 % of plain
+    # the cost rule's last comparison, tokens/s: (model's speculative, corrected, plain), and the
+    # measured rate of uniform-shape steps it compared them with (None: not measured at R)
     last_rates: tuple[float, float, float] = (0.0, 0.0, 0.0)
+    last_uniform_rate: float | None = None
 
     def wants_draft(self, num_requests: int) -> bool:
         """The drafting-cost rule (architecture §7): skip drafting the coming step when, on the
@@ -383,14 +408,24 @@ class DSpark(Policy):
         `probe_every` skipped steps, then twice as many after each probe that did not pay (up
         to `probe_max`), back to `probe_every` as soon as speculation pays; counted per class of
         R (`probe_state`). Under load that never pays, probes then cost < 1 % of the steps
-        instead of 6 %.
+        instead of 6 %. A close call (the speculative side within `close_call` of plain) keeps
+        the wait at `probe_every`: a measured side's moving average swings with the prompts it ran
+        on, and a backed-off probe left dspark decoding plain for 50 steps at 8 requests on a
+        uniform rate measured 6 % under plain's in a slow spell.
         What steps delivered corrects the model once enough have run at this R (`DraftCost`): the
         plain side becomes the measured plain rate, and the speculative side is scaled by the
         ratio of measured to predicted speculative rates. The model prices a ragged step of R
         sequences with a one-sequence SPS table and per-R average overheads, which errs by a
         few per cent where speculation barely pays and by more in a burst's tail of a few hard
         requests; the correction keeps the model's response to the survivals (a new prompt's
-        confidence shows within a few steps) but not its bias. Past steps only: lossless."""
+        confidence shows within a few steps) but not its bias. Past steps only: lossless.
+        The step's shape (`_pick_shape`): the ranked budget (`_budget`) or one draft per request
+        (uniform, as MTP-1), whichever delivered more. On a CPU a ragged verify costs ~10 % more
+        than a uniform one of the same size (padded attention rows), which no table by size
+        prices, and at 8 requests MTP-1 beat both the ranked budget and plain decoding; the
+        uniform side is measured, not modelled (`DraftCost.uniform_rate`), and drafting pays when
+        either side beats plain."""
+        self._next_shape = "ranked"
         t_draft = self.draft_cost(num_requests)
         if not t_draft or self._profile is None or self._sps_by_b is None or num_requests < 1:
             return True
@@ -411,17 +446,52 @@ class DSpark(Policy):
             plain = num_requests / max(plain_s + self.draft_cost.overhead(num_requests, False), MIN_STEP_S)
         correction = self.draft_cost.speculative_correction(num_requests)
         corrected = predicted * (1.0 if correction is None else correction)
-        self.last_rates = (predicted, corrected, plain)
+        uniform = self.draft_cost.uniform_rate(num_requests) if self.draft_cost.learn else None
+        self.last_rates, self.last_uniform_rate = (predicted, corrected, plain), uniform
         probe = self.probe_state(num_requests)
-        if corrected > plain:
+        explore = (self.draft_cost.learn and uniform is None and num_requests >= 2
+                   and self._uniform_tries.get(num_requests, 0) < DraftCost.RATE_MIN_STEPS)
+        if explore:
+            pass  # the uniform side is not measured at R yet: draft it (`_pick_shape`)
+        elif max(corrected, uniform or 0.0) > plain:
             probe[0], probe[1] = 0, self.probe_every
-        elif probe[0] >= probe[1]:
-            probe[0], probe[1] = 0, min(2 * probe[1], self.probe_max)
+        elif probe[0] >= probe[1]:  # a close call keeps probing often: the sides are within noise
+            close = max(corrected, uniform or 0.0) > self.close_call * plain
+            probe[0], probe[1] = 0, self.probe_every if close else min(2 * probe[1], self.probe_max)
         else:
             probe[0] += 1
             return False
-        self.draft_cost.observe_prediction(num_requests, predicted)  # a speculative step follows
+        self._next_shape = self._pick_shape(num_requests, corrected, uniform)
+        if self._next_shape == "ranked":
+            self.draft_cost.observe_prediction(num_requests, predicted)  # a ranked step follows
         return True
+
+    def _pick_shape(self, num_requests: int, ranked: float, uniform: float | None) -> str:
+        """The coming drafted step's shape: "uniform" until RATE_MIN_STEPS uniform steps at R
+        have been measured (`wants_draft` drafts the first RATE_MIN_STEPS of them whatever the
+        other rates say), then whichever of the ranked rate (the model, corrected) and the
+        measured uniform one is higher, but for one step of the other shape after `probe_every`
+        drafted steps per class of R, then twice as many after each such probe up to
+        `probe_max` (the side not taken keeps being measured at a cost < 1 % of the steps once
+        it stays behind). The wait does not start over when the favoured shape changes: the
+        favoured side is measured all along, so a change shows without probes, and the two sides
+        are often within noise of each other (at 8 requests resetting it ran a ranked step in
+        every ~17).
+        Always "ranked" with frozen costs (`DraftCost.learn` False: a schedule that timing does
+        not change) and for one request: its verify is never ragged, and ℓ = 1 is a budget the
+        ranked rule can pick itself (with it, 27 of 537 batch-1 steps ran uniform at ~0.7x the rate)."""
+        if not self.draft_cost.learn or num_requests < 2:
+            return "ranked"
+        if uniform is None:
+            self._uniform_tries[num_requests] = self._uniform_tries.get(num_requests, 0) + 1
+            return "uniform"
+        favoured, other = ("uniform", "ranked") if uniform > ranked else ("ranked", "uniform")
+        state = self._shape_runs.setdefault(int(num_requests).bit_length(), [0, self.probe_every])
+        state[0] += 1
+        if state[0] <= state[1]:
+            return favoured
+        state[0], state[1] = 0, min(2 * state[1], self.probe_max)
+        return other
 
     def _budget(self, a, cap, room):
         num_requests = a.shape[1]

@@ -249,22 +249,28 @@ class DraftCost:
     """What a step costs beyond the target forward the SPS table prices (architecture §7, drafting
     cost), by request count R, learned online by the engine or given up front:
     - `t_draft(R)` (calling the object): seconds of drafter.propose;
-    - `verify_scale(R)` = (a, b): a drafted step's target forward ≈ a·base + b·rows, with base =
-      1/SPS(R) the table's price of the R anchor rows and rows = 1/SPS(B) − 1/SPS(R) that of the
-      draft rows. Live ragged budgets are priced by grid cells that mix lengths one fixed way;
-      where they cost more, b > a and the price of every draft token rises with it, so budgets
-      shrink until what they cost and what they are priced at agree (an additive overhead fed
-      back the other way: learned at a large budget it made every token look relatively
-      cheaper, and budgets grew);
+    - `verify_scale(R)` = (a, b, c): a drafted step's target forward ≈ a·base + b·rows +
+      c·beyond, with base = 1/SPS(R) the table's price of the R anchor rows, rows =
+      1/SPS(min(B, 2R)) − 1/SPS(R) that of the first R draft rows (one per request) and beyond =
+      1/SPS(B) − 1/SPS(min(B, 2R)) that of the rest. Live ragged budgets are priced by grid
+      cells that mix lengths one fixed way; where they cost more, b or c > a and the price of
+      every draft token rises with it, so budgets shrink until what they cost and what they are
+      priced at agree (an additive overhead fed back the other way: learned at a large budget it
+      made every token look relatively cheaper, and budgets grew). Apart beyond R rows: on a CPU
+      without AMX a row past the first R cost ~4 ms at 8 requests against ~2 ms for the first R
+      (compute-bound matmuls), and one scale fitted mostly on one-per-request steps priced large
+      budgets at half what they took;
     - `overhead(R, drafted)`: the rest of a whole step's wall time, measured minus propose minus
       the modelled forward (a·base + b·rows drafted, 1/SPS(R) plain): acceptance, the drafter's
       extend, host work and, behind Triton, the hops to the `target` and `drafter` models. Kept
       apart for steps that call the drafter and for plain steps, so the rule compares whole
       drafted steps with whole plain steps;
     - what steps delivered (`observe_rate`: tokens and wall time of whole steps, per R and mode):
-      `plain_rate(R)`, the measured plain tokens/second, and `speculative_correction(R)`, the
-      ratio of the measured speculative rate to what the rule's model predicted for those
-      steps (`observe_prediction`), each once it has `RATE_MIN_STEPS` steps at R."""
+      `plain_rate(R)`, the measured plain tokens/second, `uniform_rate(R)`, that of drafted
+      steps of the uniform shape (one draft per request, `DSpark.wants_draft`), and
+      `speculative_correction(R)`, the ratio of the measured rate of ranked speculative steps
+      to what the rule's model predicted for those steps (`observe_prediction`), each once it
+      has `RATE_MIN_STEPS` steps at R."""
 
     RATE_ALPHA = 0.2  # weight of the newest step in the measured rates (~ the last 10 steps)
     RATE_MIN_STEPS = 4  # steps at R before a measured rate or correction is used
@@ -273,10 +279,10 @@ class DraftCost:
     # (confident drafts, rejected) drive it so low that the rule stops drafting on the easy ones
     # that follow, whose survivals it no longer sees but at probes.
     CORRECTION_RANGE = (0.8, 1.25)
-    VERIFY_SCALE_RANGE = (0.5, 3.0)
+    VERIFY_SCALE_RANGE = (0.5, 6.0)
     VERIFY_MIN_STEPS = 16  # drafted steps of R's class before its scales are fitted
     VERIFY_ALPHA = 0.05  # the forward's scales average over ~the last 40 drafted steps
-    VERIFY_RIDGE = 0.003  # pull of the draft-row scale towards the anchor-row one
+    VERIFY_RIDGE = 0.003  # pull of each draft-row scale towards the one before it (a <- b <- c)
 
     def __init__(self, seconds: dict[int, float] | None = None, alpha: float = 0.2,
                  learn: bool = True, overhead_alpha: float = 0.1) -> None:
@@ -287,10 +293,12 @@ class DraftCost:
         self._overhead = {drafted: _ByRequests(None, overhead_alpha) for drafted in (True, False)}
         # (R, speculative) -> [steps seen, EMA of tokens per step, EMA of seconds per step]
         self._rates: dict[tuple[int, bool], list[float]] = {}
+        self._uniform_rates: dict[int, list[float]] = {}  # the same for uniform-shape steps, by R
         self._predicted: dict[int, list[float]] = {}  # R -> [predictions, EMA of the predicted rate]
-        # class of R (R.bit_length()) -> [steps, EMAs of base², base·rows, rows², base·y, rows·y]
+        # class of R (R.bit_length()) -> [steps, EMAs of the 3x3 Gram matrix of (base, rows,
+        # beyond) (row-major) and of each of them times the forward's seconds]
         self._verify: dict[int, list[float]] = {}
-        self._scales: dict[int, tuple[float, float]] = {}  # class of R -> fitted (a, b)
+        self._scales: dict[int, tuple[float, float, float]] = {}  # class of R -> fitted (a, b, c)
 
     def observe(self, num_requests: int, seconds: float) -> None:
         if self.learn:
@@ -304,48 +312,62 @@ class DraftCost:
         if self.learn:
             self._overhead[drafted].observe(num_requests, seconds)
 
-    def observe_verify(self, num_requests: int, seconds: float, base_s: float, rows_s: float) -> None:
+    def observe_verify(self, num_requests: int, seconds: float, base_s: float, rows_s: float,
+                       beyond_s: float = 0.0) -> None:
         """A drafted step's target forward took `seconds`; the table prices its R anchor rows at
-        `base_s` and its draft rows at `rows_s` more. Refits R's class (`verify_scale`)."""
+        `base_s`, its first R draft rows at `rows_s` more and the rest at `beyond_s` more. Refits
+        R's class (`verify_scale`)."""
         if not self.learn:
             return
         c = num_requests.bit_length()
-        cell = self._verify.setdefault(c, [0] + [0.0] * 5)
-        self._average(cell, base_s * base_s, base_s * rows_s, rows_s * rows_s, base_s * seconds,
-                      rows_s * seconds, alpha=self.VERIFY_ALPHA)
-        if cell[0] >= self.VERIFY_MIN_STEPS and cell[3] > 0:
-            s11, s12, s22, s1y, s2y = cell[1:]
-            ridge = self.VERIFY_RIDGE * (s11 + s22)
-            m = np.array([[s11 + ridge, s12 - ridge], [s12 - ridge, s22 + ridge]])
-            a, b = np.linalg.solve(m, np.array([s1y, s2y]))
+        cell = self._verify.setdefault(c, [0] + [0.0] * 12)
+        x = (base_s, rows_s, beyond_s)
+        self._average(cell, *(u * v for u in x for v in x), *(u * seconds for u in x),
+                      alpha=self.VERIFY_ALPHA)
+        if cell[0] >= self.VERIFY_MIN_STEPS and cell[1] > 0:
+            gram, xy = np.array(cell[1:10]).reshape(3, 3), np.array(cell[10:13])
+            # ridge: pulls a towards b and b towards c, so scales the steps do not tell apart are
+            # read equal (a busier machine than the profile's as a whole, or no step beyond R
+            # rows); each pull in proportion to the two rows' own weight, so that the rare steps
+            # beyond R rows (the ranked probes among uniform steps) still set c
+            ridge = np.zeros((3, 3))
+            for i in (0, 1):  # (+ a trace of the anchors' weight: steps without draft rows)
+                w = self.VERIFY_RIDGE * (gram[i, i] + gram[i + 1, i + 1]) + 1e-6 * gram[0, 0]
+                ridge[i:i + 2, i:i + 2] += w * np.array([[1.0, -1.0], [-1.0, 1.0]])
             lo, hi = self.VERIFY_SCALE_RANGE
-            self._scales[c] = (float(min(max(a, lo), hi)), float(min(max(b, lo), hi)))
+            a, b, c3 = np.clip(np.linalg.solve(gram + ridge, xy), lo, hi)
+            self._scales[c] = (float(a), float(b), float(c3))
 
-    def verify_scale(self, num_requests: int) -> tuple[float, float]:
-        """(anchor-row, draft-row) scales for R's class (R.bit_length(): they vary slowly with R):
-        the forward ≈ a·base + b·rows, least squares over recent drafted steps, pulled towards
-        a = b (ridge) so that a forward that is slower as a whole (a busier machine than the
-        profile's) is not read as costly draft rows when budgets vary little. Within
-        VERIFY_SCALE_RANGE; (1, 1) until VERIFY_MIN_STEPS drafted steps."""
-        return self._scales.get(num_requests.bit_length(), (1.0, 1.0))
+    def verify_scale(self, num_requests: int) -> tuple[float, float, float]:
+        """(anchor-row, first-R-draft-row, further-draft-row) scales for R's class (R.bit_length():
+        they vary slowly with R): the forward ≈ a·base + b·rows + c·beyond, least squares over
+        recent drafted steps, pulled towards a = b = c (ridge) so that a forward that is slower as
+        a whole (a busier machine than the profile's) is not read as costly draft rows when
+        budgets vary little. Within VERIFY_SCALE_RANGE; (1, 1, 1) until VERIFY_MIN_STEPS drafted
+        steps."""
+        return self._scales.get(num_requests.bit_length(), (1.0, 1.0, 1.0))
 
     def verify_scales(self) -> dict[int, list[float]]:
-        """{R class's smallest R: [a, b]} (for reports)."""
+        """{R class's smallest R: [a, b, c]} (for reports)."""
         return {1 << (c - 1): list(self.verify_scale(1 << (c - 1))) for c in sorted(self._verify)}
 
     def overhead(self, num_requests: int, drafted: bool) -> float:
         """Seconds a step of R requests takes beyond propose and the SPS table (0 until measured)."""
         return self._overhead[drafted](num_requests) or 0.0
 
-    def observe_rate(self, num_requests: int, speculative: bool, tokens: int, seconds: float) -> None:
+    def observe_rate(self, num_requests: int, speculative: bool, tokens: int, seconds: float,
+                     uniform: bool = False) -> None:
         """A step of R requests emitted `tokens` in `seconds`, counted whole: a speculative step
         (it verified drafts) with the propose that made them, a plain one without the propose
-        it may have run for the step after."""
+        it may have run for the step after. uniform: a speculative step of the uniform shape
+        (counted apart from the ranked ones the model predicts)."""
         if not self.learn or seconds <= 0:
             return
         # tokens and seconds averaged apart (a ratio of averages, not an average of ratios: one
         # lucky step weighs its share)
-        self._average(self._rates.setdefault((num_requests, speculative), [0, 0.0, 0.0]), tokens, seconds)
+        cell = (self._uniform_rates.setdefault(num_requests, [0, 0.0, 0.0]) if speculative and uniform
+                else self._rates.setdefault((num_requests, speculative), [0, 0.0, 0.0]))
+        self._average(cell, tokens, seconds)
 
     def observe_prediction(self, num_requests: int, rate: float) -> None:
         """The rule's model predicted `rate` tokens/second for a speculative step of R requests."""
@@ -362,8 +384,14 @@ class DraftCost:
             cell[i] += w * (v - cell[i])
 
     def _measured(self, num_requests: int, speculative: bool) -> float | None:
-        cell = self._rates.get((num_requests, speculative))
+        return self._rate_of(self._rates.get((num_requests, speculative)))
+
+    def _rate_of(self, cell: list[float] | None) -> float | None:
         return None if cell is None or cell[0] < self.RATE_MIN_STEPS else cell[1] / cell[2]
+
+    def uniform_rate(self, num_requests: int) -> float | None:
+        """Tokens/second uniform-shape steps of exactly R requests delivered (None: too few)."""
+        return self._rate_of(self._uniform_rates.get(num_requests))
 
     def plain_rate(self, num_requests: int) -> float | None:
         """Tokens/second plain steps of exactly R requests delivered (None: too few measured)."""
@@ -382,10 +410,13 @@ class DraftCost:
         return dict(sorted(self._draft.by_r.items()))
 
     def measured_rates(self) -> dict[str, dict[int, float]]:
-        """{"speculative": {R: tokens/s}, "plain": {R: tokens/s}} (for reports)."""
+        """{"speculative": {R: tokens/s}, "plain": {R: tokens/s}, "uniform": {R: tokens/s}}
+        (for reports; "speculative": the ranked steps)."""
         cells = sorted(self._rates.items())
-        return {kind: {r: cell[1] / cell[2] for (r, spec), cell in cells if spec == want}
-                for kind, want in (("speculative", True), ("plain", False))}
+        rates = {kind: {r: cell[1] / cell[2] for (r, spec), cell in cells if spec == want}
+                 for kind, want in (("speculative", True), ("plain", False))}
+        rates["uniform"] = {r: cell[1] / cell[2] for r, cell in sorted(self._uniform_rates.items())}
+        return rates
 
     def overheads(self) -> dict[str, dict[int, float]]:
         """{"drafted": {R: s}, "plain": {R: s}}: the measured step overheads (for reports)."""
