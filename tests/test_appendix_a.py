@@ -39,7 +39,8 @@ def test_scheduler_policies_are_not_biased():
     assert ell["dspark"] > 0.5  # it does verify drafts here, and stays exact
     # the drafting-cost rule, from past steps only: a cheap drafter keeps drafting, an expensive
     # one mostly runs plain steps (probing now and then); both leave the output unbiased
-    assert ell["dspark+cost:0.05"] > 0.5 and 0.0 < ell["dspark+cost:0.3"] < 0.1  # probes back off
+    # (Θ 0.95 of plain at 0.3 s is a close call: a probe every 16th step, 2 drafts each, no back-off)
+    assert ell["dspark+cost:0.05"] > 0.5 and 0.0 < ell["dspark+cost:0.3"] < 0.15
     # ... and so does the rule corrected by what past steps delivered (their tokens fed back): here
     # drafted steps deliver about plain's rate (the ℓ = 0 and ℓ = 1 steps lose what ℓ = 2 gains),
     # so it learns to draft far less than the model alone would, probes aside

@@ -553,6 +553,16 @@ def test_cost_rule_picks_the_shape_that_delivered_more():
     assert policy.draft_cost.measured_rates()["uniform"][r] < policy.last_rates[1]
     shapes, _ = run(1.5, learn=False)
     assert set(shapes) == {"ranked"}
+    # no rate ever reported for the uniform steps: after its tries, ranked
+    policy = make_policy("dspark", sps=flat, gamma=gamma, draft_cost=DraftCost({r: 0.002}))
+    for _ in range(2):
+        policy.decide(torch.full((r, gamma), 0.9).cumprod(1), rem)
+    picked = []
+    for _ in range(12):
+        assert policy.wants_draft(r)
+        policy.decide(torch.full((r, gamma), 0.9).cumprod(1), rem)
+        picked.append(policy.shape)
+    assert picked == ["uniform"] * explore + ["ranked"] * (12 - explore)
 
 
 def test_warm_from_carries_the_learned_state_not_the_batch():

@@ -482,8 +482,11 @@ class DSpark(Policy):
         ranked rule can pick itself (with it, 27 of 537 batch-1 steps ran uniform at ~0.7x the rate)."""
         if not self.draft_cost.learn or num_requests < 2:
             return "ranked"
-        if uniform is None:
-            self._uniform_tries[num_requests] = self._uniform_tries.get(num_requests, 0) + 1
+        if uniform is None:  # (+1: a step's rate arrives after the next step's shape is chosen)
+            tries = self._uniform_tries.get(num_requests, 0)
+            if tries > DraftCost.RATE_MIN_STEPS:
+                return "ranked"  # no rate was reported for them (a caller outside the engine)
+            self._uniform_tries[num_requests] = tries + 1
             return "uniform"
         favoured, other = ("uniform", "ranked") if uniform > ranked else ("ranked", "uniform")
         state = self._shape_runs.setdefault(int(num_requests).bit_length(), [0, self.probe_every])
