@@ -247,7 +247,8 @@ class Policy:
             return sps
         price = 1.0 / sps
         base = price[min(num_requests, len(sps) - 1)]
-        knee = price[np.minimum(np.arange(len(sps)), 2 * num_requests)]  # B capped at 2R
+        knee = price.copy()  # the price at B capped at 2R
+        knee[2 * num_requests + 1:] = price[min(2 * num_requests, len(sps) - 1)]
         a, b, c = self.draft_cost.verify_scale(num_requests)
         forward = a * base + b * (knee - base) + c * (price - knee)
         drafted_s = t_draft + self.draft_cost.overhead(num_requests, True) + forward

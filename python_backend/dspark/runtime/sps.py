@@ -261,7 +261,7 @@ class DraftCost:
       (compute-bound matmuls), and one scale fitted mostly on one-per-request steps priced large
       budgets at half what they took;
     - `overhead(R, drafted)`: the rest of a whole step's wall time, measured minus propose minus
-      the modelled forward (a·base + b·rows drafted, 1/SPS(R) plain): acceptance, the drafter's
+      the modelled forward (a·base + b·rows + c·beyond drafted, 1/SPS(R) plain): acceptance, the drafter's
       extend, host work and, behind Triton, the hops to the `target` and `drafter` models. Kept
       apart for steps that call the drafter and for plain steps, so the rule compares whole
       drafted steps with whole plain steps;
