@@ -10,6 +10,7 @@ import pytest
 import torch
 from tiny import load_hf, make_tiny_checkpoint
 
+from dspark import wiring
 from dspark.runtime.batch import RaggedBatch
 from dspark.runtime.config import ModelConfig
 from dspark.runtime.engine import SpecEngine
@@ -181,6 +182,28 @@ def test_incremental_detokenizer_never_splits_characters(tiny_tokenizer_path):
     pieces = [detok.push([i]) for i in ids]
     assert "".join(pieces) == text
     assert all("\ufffd" not in p for p in pieces)
+
+
+def test_bench_target_ragged_only(tiny_ckpt, tmp_path):
+    """--ragged-only: uniform against ragged verifies of equal size, each shape's times measured."""
+    from dspark.bench.target import RAGGED_SHAPES, ragged_ms
+    from dspark.cli import main
+
+    out = tmp_path / "ragged.json"
+    assert main(["bench-target", "--model", str(tiny_ckpt), "--ragged-only", "--quick", "--dtypes", "fp32",
+                 "--verify-context", "8", "--out", str(out)]) == 0
+    res = json.loads(out.read_text())
+    cells = res["ragged_vs_uniform_ms"]
+    assert set(cells) == set(RAGGED_SHAPES) and res["dtype"] == "fp32"
+    for name, cell in cells.items():
+        assert cell["tokens"] == sum(RAGGED_SHAPES[name][0]) == sum(cell["ragged"])
+        assert cell["uniform_ms"] > 0 and cell["ragged_ms"] > 0
+        assert cell["ratio"] == pytest.approx(cell["ragged_ms"] / cell["uniform_ms"], rel=0.01)
+    engine = wiring.load_target(wiring.resolve(env={}, model=str(tiny_ckpt), dtype="fp32", capacity=2,
+                                               max_seq_len=32))
+    with pytest.raises(ValueError, match="differ"):
+        ragged_ms(engine, list(range(8)), 1, {"bad": ([2, 2], [1, 2])})
+    assert engine.num_free_slots() == 2  # the slots come back
 
 
 def test_bench_target_writes_json(tiny_ckpt, tmp_path):

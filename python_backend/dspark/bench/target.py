@@ -25,6 +25,7 @@ import torch
 from tqdm import tqdm
 
 from dspark import paths, wiring
+from dspark.bench import cpu_name
 from dspark.runtime.batch import RaggedBatch
 from dspark.runtime.engine import SpecEngine
 from dspark.runtime.sampling import SamplingParams
@@ -37,6 +38,13 @@ PROMPT_TEXTS = [
     "Once upon a time, in a small village by the sea, there lived an old fisherman and his wife.",
 ]
 VERIFY_SIZES = (1, 2, 4, 8, 16, 32, 64)
+# Verifies of equal size, one draft length per request against the lengths a ranked budget gives
+# (ℓ from 0 to 7): what the scheduler's step shape (architecture §7) chooses between.
+RAGGED_SHAPES: dict[str, tuple[list[int], list[int]]] = {
+    "8x2": ([2] * 8, [1, 1, 3, 1, 2, 4, 1, 3]),
+    "8x4": ([4] * 8, [1, 2, 7, 3, 8, 1, 5, 5]),
+    "16x2": ([2] * 16, [1, 1, 3, 1, 2, 4, 1, 3] * 2),
+}
 GOALS = {"batch1_vs_transformers": 1.2, "batch32_vs_transformers": 1.5, "verify16_vs_step": 1.3}
 
 
@@ -60,6 +68,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quick", action="store_true", help="small sizes: a smoke run in seconds")
     p.add_argument("--accuracy-only", action="store_true",
                    help="only the logit accuracy of bf16 / q4_1 against fp32 (merged into --out)")
+    p.add_argument("--ragged-only", action="store_true",
+                   help="only verifies of equal size, uniform against ragged (RAGGED_SHAPES), in our "
+                        "first --dtypes dtype; default --out: results/target_ragged_<model>.json")
 
 
 def make_prompts(engine: TargetEngine, n: int, prompt_len: int) -> list[list[int]]:
@@ -108,6 +119,43 @@ def verify_ms(engine: TargetEngine, context: list[int], sizes: list[int], repeat
         return {str(n): round(statistics.median(times[n]) * 1e3, 3) for n in sizes}
     finally:
         engine.release(slot)
+
+
+def ragged_ms(engine: TargetEngine, context: list[int], repeats: int,
+              shapes: dict[str, tuple[list[int], list[int]]] = RAGGED_SHAPES) -> dict[str, dict[str, float]]:
+    """Median ms of one verify forward per shape: R requests on `context` cached tokens each, with
+    the same number of new tokens laid out uniform (every request alike) or ragged; the two
+    interleaved in rounds, so a slow spell of the machine lands on both. ratio = ragged ÷ uniform."""
+    most = max(len(u) for u, _ in shapes.values())
+    slots = [engine.allocate() for _ in range(most)]
+    try:
+        engine.prefill(slots, [context] * most)
+        start = len(context)
+        out: dict[str, dict[str, float]] = {}
+        for name, (uniform, ragged) in shapes.items():
+            if sum(uniform) != sum(ragged) or len(uniform) != len(ragged):
+                raise ValueError(f"ragged shape {name}: {uniform} and {ragged} differ in requests or tokens")
+            batches = {kind: RaggedBatch.from_requests(slots[:len(lens)],
+                                                       [[context[i % start] for i in range(n)] for n in lens],
+                                                       [start] * len(lens))
+                       for kind, lens in (("uniform", uniform), ("ragged", ragged))}
+            times: dict[str, list[float]] = {k: [] for k in batches}
+            for rep in range(repeats + 1):  # round 0 warms up
+                for kind, batch in batches.items():
+                    t0 = time.perf_counter()
+                    engine.verify(batch)
+                    if rep:
+                        times[kind].append(time.perf_counter() - t0)
+                    for s in slots:
+                        engine.rollback(s, start)
+            ms = {k: statistics.median(v) * 1e3 for k, v in times.items()}
+            out[name] = {"tokens": sum(uniform), "uniform_ms": round(ms["uniform"], 3),
+                         "ragged_ms": round(ms["ragged"], 3), "ragged": ragged,
+                         "ratio": round(ms["ragged"] / ms["uniform"], 3)}
+        return out
+    finally:
+        for s in slots:
+            engine.release(s)
 
 
 def thread_study(engine: TargetEngine, prompts: list[list[int]], batch_sizes: tuple[int, ...],
@@ -186,6 +234,28 @@ def accuracy_only(args: argparse.Namespace, folder: Path, q4: bool, max_seq_len:
     return 0
 
 
+def ragged_only(args: argparse.Namespace, dtype: str, out: Path) -> int:
+    """`--ragged-only`: `ragged_ms` alone in one dtype, written to `out` with the CPU it ran on."""
+    most = max(len(u) for u, _ in RAGGED_SHAPES.values())
+    longest = max(max(r) for _, r in RAGGED_SHAPES.values())
+    engine = wiring.load_target(wiring.resolve(env={}, model=args.model, dtype=dtype, capacity=most,
+                                               max_seq_len=args.verify_context + longest + 8,
+                                               num_threads=args.threads))
+    repeats = max(args.repeats, 3) if not args.quick else 1
+    context = make_prompts(engine, 1, args.verify_context)[0]
+    result = {"model": args.model, "dtype": dtype, "verify_context": args.verify_context, "repeats": repeats,
+              "ragged_vs_uniform_ms": ragged_ms(engine, context, repeats), "cpu": cpu_name(),
+              "threads": args.threads, "torch": torch.__version__,
+              "load_average_1min": round(os.getloadavg()[0], 2),
+              "note": "median ms of one verify forward of R requests with verify_context cached tokens "
+                      "each, the same new tokens laid out uniform or ragged, interleaved in rounds; "
+                      "ratio = ragged / uniform"}
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2) + "\n")
+    print(json.dumps(result["ragged_vs_uniform_ms"]))
+    return 0
+
+
 def _has_gguf(folder: Path) -> bool:
     from dspark.runtime.quant import find_gguf
 
@@ -219,6 +289,8 @@ def main(args: argparse.Namespace) -> int:
     capacity = max(batch_sizes)
     max_seq_len = max(args.prompt_len + max_new, args.verify_context + max(sizes)) + 8
     key = wiring.Spec(model=args.model).model_key or folder.name
+    if args.ragged_only:
+        return ragged_only(args, dtypes[0], Path(args.out or paths.RESULTS / f"target_ragged_{key}.json"))
     out = Path(args.out or paths.RESULTS / f"target_bench_{key}.json")
     if args.accuracy_only:
         return accuracy_only(args, folder, q4, max_seq_len, out)
@@ -273,6 +345,7 @@ def main(args: argparse.Namespace) -> int:
     context = make_prompts(any_engine, 1, args.verify_context)[0]
     verify = verify_ms(ours[best], context, sizes, max(repeats, 3))
     verify_q4 = verify_ms(ours["q4_1"], context, sizes, max(repeats, 3)) if q4 else None
+    ragged = ragged_ms(ours[best], context, max(repeats, 3)) if capacity >= 16 else None
     verify_compiled = (verify_ms(ours["bf16_compiled"], context, sizes, max(repeats, 3))
                        if args.compile else None)
 
@@ -305,6 +378,7 @@ def main(args: argparse.Namespace) -> int:
         "decode_tokens_per_s": decode,
         "verify_ms_by_tokens": verify,
         "verify_ms_by_tokens_q4_1": verify_q4,
+        "ragged_vs_uniform_ms": ragged,
         "accuracy": accuracy({n: e for n, e in ours.items() if n in ("fp32", "bf16", "q4_1")},
                              accuracy_prompts(any_engine, args), folder) if "fp32" in ours else None,
         "verify_ms_by_tokens_bf16_compiled": verify_compiled,
