@@ -45,6 +45,7 @@ RAGGED_SHAPES: dict[str, tuple[list[int], list[int]]] = {
     "8x4": ([4] * 8, [1, 2, 7, 3, 8, 1, 5, 5]),
     "16x2": ([2] * 16, [1, 1, 3, 1, 2, 4, 1, 3] * 2),
 }
+RAGGED_REQUESTS = max(len(u) for u, _ in RAGGED_SHAPES.values())  # KV slots the shapes need
 GOALS = {"batch1_vs_transformers": 1.2, "batch32_vs_transformers": 1.5, "verify16_vs_step": 1.3}
 
 
@@ -236,9 +237,9 @@ def accuracy_only(args: argparse.Namespace, folder: Path, q4: bool, max_seq_len:
 
 def ragged_only(args: argparse.Namespace, dtype: str, out: Path) -> int:
     """`--ragged-only`: `ragged_ms` alone in one dtype, written to `out` with the CPU it ran on."""
-    most = max(len(u) for u, _ in RAGGED_SHAPES.values())
     longest = max(max(r) for _, r in RAGGED_SHAPES.values())
-    engine = wiring.load_target(wiring.resolve(env={}, model=args.model, dtype=dtype, capacity=most,
+    engine = wiring.load_target(wiring.resolve(env={}, model=args.model, dtype=dtype,
+                                               capacity=RAGGED_REQUESTS,
                                                max_seq_len=args.verify_context + longest + 8,
                                                num_threads=args.threads))
     repeats = max(args.repeats, 3) if not args.quick else 1
@@ -345,7 +346,7 @@ def main(args: argparse.Namespace) -> int:
     context = make_prompts(any_engine, 1, args.verify_context)[0]
     verify = verify_ms(ours[best], context, sizes, max(repeats, 3))
     verify_q4 = verify_ms(ours["q4_1"], context, sizes, max(repeats, 3)) if q4 else None
-    ragged = ragged_ms(ours[best], context, max(repeats, 3)) if capacity >= 16 else None
+    ragged = ragged_ms(ours[best], context, max(repeats, 3)) if capacity >= RAGGED_REQUESTS else None
     verify_compiled = (verify_ms(ours["bf16_compiled"], context, sizes, max(repeats, 3))
                        if args.compile else None)
 

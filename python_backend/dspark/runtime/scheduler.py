@@ -421,8 +421,9 @@ class DSpark(Policy):
         requests; the correction keeps the model's response to the survivals (a new prompt's
         confidence shows within a few steps) but not its bias. Past steps only: lossless.
         The step's shape (`_pick_shape`): the ranked budget (`_budget`) or one draft per request
-        (uniform, as MTP-1), whichever delivered more. On a CPU a ragged verify costs ~10 % more
-        than a uniform one of the same size (padded attention rows), which no table by size
+        (uniform, as MTP-1), whichever delivered more. On a CPU a ragged verify costs 12–15 % more
+        than a uniform one of the same size (length groups and padded attention rows:
+        results/target_ragged_smollm2.json), which no table by size
         prices, and at 8 requests MTP-1 beat both the ranked budget and plain decoding; the
         uniform side is measured, not modelled (`DraftCost.uniform_rate`), and drafting pays when
         either side beats plain."""
