@@ -302,6 +302,59 @@ def test_packed_drafter_drafts_like_its_modules(target):
     assert packed._packed and not plain._packed
 
 
+def test_greedy_bigram_table_drafts_like_the_sequential_head(target):
+    """A Markov head over a draft vocabulary drafts greedy blocks from its bigram table
+    (`_greedy_bigram`): the same tokens and confidences as the step-by-step head, and each token
+    is the argmax of the logits `score` gives for that block."""
+    ids = torch.arange(3, target.vocab_size, 3)
+    d = make_dspark(target, "markov").pack_for_inference()
+    d.set_vocab(ids)
+    assert d._bigram is not None and d._bigram.shape == (len(ids), len(ids))
+    prompts, taps = prompts_and_taps(target)
+    start_all(d, prompts, taps, [0, 1])
+    anchors, greedy = torch.tensor([4, 9]), [SamplingParams()] * 2  # anchor 4 is outside the vocabulary
+    fast = d.propose([0, 1], anchors, greedy, uniforms(2, 4))
+    table, d._bigram = d._bigram, None
+    slow = d.propose([0, 1], anchors, greedy, uniforms(2, 4))
+    d._bigram = table
+    assert torch.equal(fast.tokens, slow.tokens) and torch.isin(fast.tokens, ids).all()
+    torch.testing.assert_close(fast.conf_logits, slow.conf_logits)
+    logits, _ = d.score([0, 1], anchors, fast.tokens)
+    assert torch.equal(fast.tokens, logits.argmax(-1))
+    assert make_dspark(target, "rnn").pack_for_inference()._bigram is None  # Markov heads only
+
+
+def test_pending_extends_join_the_next_propose(target):
+    """extend is checked at once and run with the next propose, inside the backbone's own
+    projections; several pending extends of one slot (the first leaving scratch rows where the
+    second writes) give the context, lengths and drafts of running each extend on its own."""
+    prompts, taps = prompts_and_taps(target, lengths=(7, 12))
+    lazy, eager = (make_dspark(target, "markov").pack_for_inference() for _ in range(2))
+    for d in (lazy, eager):
+        start_all(d, prompts, taps, [0, 1])
+    steps = [([0, 1], [5, 6, 7, 8, 9], torch.tensor([0, 3, 5]), torch.tensor([1, 2])),
+             ([0], [10, 11], torch.tensor([0, 2]), torch.tensor([2]))]
+    for slots, tokens, cu, keep in steps:
+        rows = torch.cat([taps[s][:int(cu[i + 1] - cu[i])] for i, s in enumerate(slots)])
+        for d in (lazy, eager):
+            d.extend(slots, torch.tensor(tokens), rows, cu, keep)
+        eager._flush()
+    assert len(lazy._pending) == 3 and not eager._pending  # slot 1's prompt waits too
+    with pytest.raises(ValueError, match="taps rows"):  # checked when called, not when run
+        lazy.extend([0], torch.tensor([1, 2]), taps[0][:1], torch.tensor([0, 2]), torch.tensor([2]))
+    blocks = [d.propose([0, 1], torch.tensor([5, 9]), [SamplingParams()] * 2, uniforms(2, 4))
+              for d in (lazy, eager)]
+    assert not lazy._pending
+    assert torch.equal(blocks[0].tokens, blocks[1].tokens)
+    torch.testing.assert_close(blocks[0].conf_logits, blocks[1].conf_logits, atol=1e-4, rtol=1e-4)
+    assert [lazy.context_length(s) for s in (0, 1)] == [eager.context_length(s) for s in (0, 1)] == [10, 14]
+    for layer in range(2):
+        for s, n in ((0, 10), (1, 14)):
+            for cache in ("k", "v"):
+                got, want = (getattr(d.kv, cache)[layer][s, :, :n] for d in (lazy, eager))
+                torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+
+
 def test_drafter_loads_from_shared_weights_alone(target, tiny_ckpt, tmp_path):
     """The Triton `drafter` model loads the target's embedding / LM head / final norm from the
     checkpoint (SharedWeights), not a second target: same tensors, same tap layers, same drafts."""

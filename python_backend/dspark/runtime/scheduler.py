@@ -115,6 +115,7 @@ class Policy:
     SOURCES = 4  # drafter sources recalibrated apart (`DraftBlock.sources`; larger ids share the last)
     # survival levels recalibrated apart: left edges of the bins of a[r, j]
     LEVELS = np.array([0.0, 0.02, 0.05, 0.1, 0.2, 0.35, 0.5, 0.7, 0.85])
+    _LEVEL_DISTANCE = np.abs(np.arange(len(LEVELS))[:, None] - np.arange(len(LEVELS))[None, :]).astype(float)
     # sources the drafter calibrates online itself, uncensored (a hybrid's lookups): taken as they are
     calibrated_sources: frozenset[int] = frozenset()
 
@@ -146,9 +147,10 @@ class Policy:
         self._predicted *= self.RECAL_DECAY
         self._accepted *= self.RECAL_DECAY
         rows = np.broadcast_to(self._source_rows(sources, survival.shape[0])[:, None], a.shape)
-        levels = self._levels(a)
-        np.add.at(self._predicted, (rows[verified], levels[verified]), a[verified])
-        np.add.at(self._accepted, (rows[verified], levels[verified]), 1.0 * hits[verified])
+        cell = (rows * len(self.LEVELS) + self._levels(a))[verified]  # flat (source, level)
+        size = self._predicted.size
+        self._predicted += np.bincount(cell, a[verified], size).reshape(self._predicted.shape)
+        self._accepted += np.bincount(cell, hits[verified], size).reshape(self._accepted.shape)
 
     def recalibration(self) -> np.ndarray:
         """Factors [SOURCES, levels]: realised acceptance / predicted survival over past steps (1
@@ -161,12 +163,10 @@ class Policy:
                           where=self._predicted > 0)
         learned = self._predicted >= self.RECAL_MIN
         factors = np.where(learned, np.clip(ratio, 0.05, 4.0), 1.0)
-        index = np.arange(len(self.LEVELS))
-        for src in range(self.SOURCES):
-            known = np.flatnonzero(learned[src])
-            if known.size:
-                nearest = known[np.abs(index[:, None] - known[None, :]).argmin(1)]
-                factors[src] = factors[src, nearest]
+        # per source, every level takes the factor of the nearest learned level (the lower one
+        # on a tie; a source with none keeps 1)
+        distance = np.where(learned[:, None, :], self._LEVEL_DISTANCE[None], np.inf)
+        factors = np.take_along_axis(factors, distance.argmin(-1), axis=1)
         for c in self.calibrated_sources:
             factors[min(c, self.SOURCES - 1)] = 1.0
         return factors
@@ -245,7 +245,8 @@ class Policy:
         t_draft = self.draft_cost(num_requests) if self.counts_drafting else None
         if sps is None or not t_draft:
             return sps
-        price = 1.0 / sps
+        # a step of R requests verifies at most R·(γ + 1) tokens: nothing reads the rates past it
+        price = 1.0 / sps[:num_requests * (self.gamma + 1) + 1]
         base = price[min(num_requests, len(sps) - 1)]
         knee = price.copy()  # the price at B capped at 2R
         knee[2 * num_requests + 1:] = price[min(2 * num_requests, len(sps) - 1)]

@@ -14,12 +14,18 @@ from safetensors.torch import load_file
 from torch import nn
 
 from dspark.runtime.drafter.context import SlotDrafter, SlotKV, segments
-from dspark.runtime.drafter.dspark_model import DSparkConfig, DSparkModel, save_dspark
+from dspark.runtime.drafter.dspark_model import DraftLayer, DSparkConfig, DSparkModel, save_dspark
 from dspark.runtime.drafter.files import read_calibration, read_draft_vocab, read_sts_shifts, shared_weights
+from dspark.runtime.drafter.heads import MarkovHead
 from dspark.runtime.interfaces import DraftBlock
 from dspark.runtime.linear import Dense, PackedLinear, serving_linear
-from dspark.runtime.model import apply_rope
+from dspark.runtime.model import apply_rope, rope_cos_sin
 from dspark.runtime.sampling import SamplingBatch, SamplingParams
+
+# The greedy Markov head reads B(x) from a [K, K] bigram table over a draft vocabulary of up to
+# this many tokens (32 MB in bf16 at 4 096): one row gather per position instead of an embedding
+# lookup and a rank-r GEMM over K rows (`_greedy_bigram`).
+BIGRAM_MAX_VOCAB = 4096
 
 
 class DSparkDrafter(SlotDrafter):
@@ -36,8 +42,12 @@ class DSparkDrafter(SlotDrafter):
         super().__init__(model, embed_weight, lm_head_weight, gamma, sts_temperatures, sts_shifts)
         cfg = self.config
         self.dtype = self.model.fc.weight.dtype
-        self.kv = SlotKV(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, self.device, self.dtype)
+        self._kv = SlotKV(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, self.device, self.dtype)
+        self._pending: list[tuple] = []  # (slots, tokens, taps, cu_seqlens, keep) of extends not yet run
         self._packed: dict[nn.Module, PackedLinear | Dense] = {}
+        # fused serving projections per layer: "qkv" (block rows), "kv" (context rows), "gate_up"
+        self._fused: dict[tuple[int, str], PackedLinear | Dense] = {}
+        self._rope_cos = self._rope_sin = torch.empty(0)  # [positions, hd] tables (`_rope`)
         self.set_vocab(None)
 
     def pack_for_inference(self) -> DSparkDrafter:
@@ -51,8 +61,42 @@ class DSparkDrafter(SlotDrafter):
             layer.q_proj, layer.k_proj, layer.v_proj, layer.o_proj, layer.gate_proj, layer.up_proj,
             layer.down_proj)]
         self._packed = {lin: serving_linear(lin.weight.detach(), lin.bias) for lin in linears}
+        # one GEMM where the layer runs several on the same rows (q, k, v; k, v; gate, up): fewer
+        # calls, and on the CPU each one starts on weights the target's step left cold
+        for i, layer in enumerate(m.draft_layers):
+            for name, parts in (("qkv", (layer.q_proj, layer.k_proj, layer.v_proj)),
+                                ("kv", (layer.k_proj, layer.v_proj)),
+                                ("gate_up", (layer.gate_proj, layer.up_proj))):
+                if all(p.bias is None for p in parts):
+                    self._fused[(i, name)] = serving_linear(torch.cat([p.weight.detach() for p in parts]))
         self.set_vocab(self.vocab)
         return self
+
+    def _split(self, i: int, name: str, x: torch.Tensor, parts: tuple[nn.Linear, ...]) -> list[torch.Tensor]:
+        """[linear(x) for linear in parts], as one fused GEMM after `pack_for_inference`."""
+        fused = self._fused.get((i, name))
+        if fused is None:
+            return [self._proj(p, x) for p in parts]
+        return list(fused(x).split([p.weight.shape[0] for p in parts], dim=-1))
+
+    def _layer_kv(self, i: int, layer: DraftLayer, x: torch.Tensor, cos: torch.Tensor,
+                  sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """`DraftLayer.kv` (k normed and rotated) with k and v from one GEMM."""
+        k, v = self._split(i, "kv", x, (layer.k_proj, layer.v_proj))
+        return layer.kv_from(k, v, cos, sin)
+
+    def _mlp(self, i: int, layer: DraftLayer, h: torch.Tensor) -> torch.Tensor:
+        gate, up = self._split(i, "gate_up", h, (layer.gate_proj, layer.up_proj))
+        return self._proj(layer.down_proj, F.silu(gate) * up)
+
+    def _rope(self, positions: torch.Tensor, bound: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin at integer positions (device) all < bound (host), read from tables built with
+        `rope_cos_sin` (the same values, two gathers instead of five ops per call)."""
+        if bound > self._rope_cos.shape[0]:
+            rows = max(2 * self._rope_cos.shape[0], bound, 1024)
+            every = torch.arange(rows, device=self.device)
+            self._rope_cos, self._rope_sin = rope_cos_sin(self.model.inv_freq, every, self.dtype)
+        return self._rope_cos[positions], self._rope_sin[positions]
 
     def _proj(self, linear: nn.Module, x: torch.Tensor) -> torch.Tensor:
         """linear(x), from the packed weight after `pack_for_inference`."""
@@ -79,6 +123,11 @@ class DSparkDrafter(SlotDrafter):
         linear = serving_linear if self._packed else Dense
         self._lm_head = linear(self._lm)  # [K, d]: the step's one big read
         self._w2_head = None if self._w2 is None else linear(self._w2)
+        self._bigram = None  # [K, K]: B(x) = W1[x] W2ᵀ for every draft-vocabulary token x
+        head = self.model.head
+        if self.vocab is not None and isinstance(head, MarkovHead) and len(self.vocab) <= BIGRAM_MAX_VOCAB:
+            w1 = head.W1.weight[self.vocab].float()
+            self._bigram = (w1 @ head.W2.weight[self.vocab].float().T).to(self.dtype)
 
     def _token_ids(self, idx: torch.Tensor) -> torch.Tensor:
         return idx if self.vocab is None else self.vocab[idx]
@@ -97,6 +146,12 @@ class DSparkDrafter(SlotDrafter):
         return self._full(self.probs.take(slots, lengths), 0.0)
 
     # --- per-slot context ---
+    @property
+    def kv(self) -> SlotKV:
+        """The context K/V, with any pending extend applied (`extend`)."""
+        self._flush()
+        return self._kv
+
     def start(self, slot: int, prompt: list[int], taps: torch.Tensor) -> None:
         if taps.shape[0] != len(prompt):
             raise ValueError(f"start: {len(prompt)} prompt tokens but {taps.shape[0]} taps rows")
@@ -111,31 +166,70 @@ class DSparkDrafter(SlotDrafter):
         self.kv.release(slot)
         getattr(self, "_enc_cache", {}).pop(slot, None)
 
-    @torch.inference_mode()
     def extend(self, slots: list[int], tokens: torch.Tensor, taps: torch.Tensor, cu_seqlens: torch.Tensor,
                keep: torch.Tensor) -> None:
+        """Checked now, run later: the rows join the context with the next call that reads it,
+        in the next `propose` as part of the backbone's own projections (one GEMM per layer for
+        the context rows and the block: on the CPU every call starts on weights the target's
+        step left cold), else before anything else reads the K/V (`kv`, `_flush`). Extends of
+        steps without a propose (a hybrid's lookup rows) wait for it too, up to MAX_PENDING."""
         cu = cu_seqlens.cpu()
         if taps.shape[0] != int(cu[-1]) or len(slots) + 1 != cu.numel():
             raise ValueError(f"extend: {len(slots)} slots, cu_seqlens {cu.tolist()}, "
                              f"but {taps.shape[0]} taps rows")
-        self.kv.check(slots)
-        if taps.shape[0] == 0:
-            return
-        m, dev = self.model, self.device
-        seq, local = segments(cu)
-        lens = (cu[1:] - cu[:-1]).tolist()
-        self.kv.reserve(slots, [self.kv.bound[s] + n for s, n in zip(slots, lens)])
-        slot_t = torch.tensor(slots, dtype=torch.int64, device=dev)
-        slot_rows = slot_t[seq.to(dev)]
-        rows = self.kv.lengths[slot_rows] + local.to(dev)
-        h_ctx = m.ctx_norm(self._proj(m.fc, self._context_rows(slots, tokens, taps, cu, keep)))[None]
-        cos, sin = m.rope(rows[None], h_ctx.dtype)
-        for i, layer in enumerate(m.draft_layers):
-            k, v = layer.kv(h_ctx, cos, sin, self._proj)
-            self.kv.write(i, slot_rows, rows, k[0], v[0])
-        self.kv.advance(slot_t, keep)
-        for s, n in zip(slots, lens):
-            self.kv.bound[s] += n
+        self._kv.check(slots)
+        if taps.shape[0]:
+            self._pending.append((slots, tokens, taps, cu, keep))
+            if len(self._pending) >= self.MAX_PENDING:
+                self._flush()
+
+    MAX_PENDING = 8  # extends held for the next propose (their taps stay alive until then)
+
+    @torch.inference_mode()
+    def _flush(self) -> None:
+        """Run the pending extends on their own."""
+        ctx = self._take_pending()
+        if ctx is not None:
+            h_ctx, cos, sin, writes = ctx
+            for i, layer in enumerate(self.model.draft_layers):
+                k, v = self._layer_kv(i, layer, h_ctx[None], cos[None], sin[None])
+                self._write_context(i, k[0], v[0], writes)
+
+    def _write_context(self, layer: int, k: torch.Tensor, v: torch.Tensor, writes: list) -> None:
+        """The context rows' K/V into the cache, one extend after the other: a later extend's
+        rows may land where an earlier one left scratch rows (its rejected drafts)."""
+        for lo, hi, slot_rows, rows in writes:
+            self._kv.write(layer, slot_rows, rows, k[lo:hi], v[lo:hi])
+
+    def _take_pending(self) -> tuple | None:
+        """The pending extends' host bookkeeping and context rows, in order: -> (h_ctx [N, d],
+        cos, sin [N, hd], [(lo, hi, slot [n], row [n]) per extend]), the slots' lengths advanced
+        past the kept rows; the caller writes each layer's K/V of h_ctx (`_write_context`).
+        None when nothing is pending."""
+        if not self._pending:
+            return None
+        pending, self._pending = self._pending, []
+        m, dev, kv = self.model, self.device, self._kv
+        feats, positions, writes, at, top = [], [], [], 0, 0
+        for slots, tokens, taps, cu, keep in pending:
+            seq, local = segments(cu)
+            lens = (cu[1:] - cu[:-1]).tolist()
+            bound = [kv.bound[s] + n for s, n in zip(slots, lens)]
+            kv.reserve(slots, bound)
+            slot_t = torch.tensor(slots, dtype=torch.int64, device=dev)
+            slot_rows = slot_t[seq.to(dev)]
+            rows = kv.lengths[slot_rows] + local.to(dev)
+            feats.append(self._context_rows(slots, tokens, taps, cu, keep))
+            positions.append(rows)
+            writes.append((at, at + rows.numel(), slot_rows, rows))
+            at, top = at + rows.numel(), max(top, *bound)
+            kv.advance(slot_t, keep)
+            for s, b in zip(slots, bound):
+                kv.bound[s] = b
+        one = len(pending) == 1
+        h_ctx = m.ctx_norm(self._proj(m.fc, feats[0] if one else torch.cat(feats)))
+        cos, sin = self._rope(positions[0] if one else torch.cat(positions), top)
+        return h_ctx, cos, sin, writes
 
     def context_length(self, slot: int) -> int:
         return int(self.kv.lengths[slot])
@@ -164,33 +258,51 @@ class DSparkDrafter(SlotDrafter):
 
     # --- drafting ---
     def _backbone(self, slots: list[int], anchors: torch.Tensor) -> torch.Tensor:
-        """The trained block of G inputs per slot over its cached context -> h [R, γ, d]."""
-        self.kv.check(slots)
+        """The trained block of G inputs per slot over its cached context -> h [R, γ, d]. A
+        pending extend's context rows go through each layer's projections with the block's."""
+        kv = self._kv
+        kv.check(slots)
+        ctx = self._take_pending()  # lengths advanced: the block starts after the kept rows
         m, dev = self.model, self.device
         r, g = len(slots), self.block_size
         first = slots[0] if slots == list(range(slots[0], slots[0] + r)) else None
         slot_t = torch.tensor(slots, dtype=torch.int64, device=dev)
-        rows = max(self.kv.bound[s] for s in slots) + g
-        self.kv.reserve(slots, [rows])
-        lens = self.kv.lengths[slot_t]
+        rows = max(kv.bound[s] for s in slots) + g
+        kv.reserve(slots, [rows])
+        lens = kv.lengths[slot_t]
         pos = lens[:, None] + torch.arange(g, device=dev)  # [R, G]
         # every block query sees its slot's context and the whole block (non-causal inside it)
         mask = (torch.arange(rows, device=dev)[None, :] < (lens + g)[:, None])[:, None, None, :]
         x = m.block_inputs(anchors)
-        cos, sin = m.rope(pos, x.dtype)
+        cos, sin = self._rope(pos, rows)
+        if ctx is not None:  # [context rows; block rows] flat, for the fused projections
+            h_ctx, ctx_cos, ctx_sin, writes = ctx
+            n = h_ctx.shape[0]
+            cos_all = torch.cat([ctx_cos, cos.reshape(r * g, -1)])[None]
+            sin_all = torch.cat([ctx_sin, sin.reshape(r * g, -1)])[None]
         slot_rows = slot_t[:, None].expand(r, g)
         proj, last = self._proj, len(m.draft_layers) - 1
         for i, layer in enumerate(m.draft_layers):
             h = layer.input_norm(x)
-            k, v = layer.kv(h, cos, sin, proj)
-            self.kv.write(i, slot_rows, pos, k, v)
-            keys, vals = self.kv.read(i, slot_t, first, rows)
+            parts = (layer.q_proj, layer.k_proj, layer.v_proj)
+            if ctx is None:
+                q, k, v = self._split(i, "qkv", h, parts)
+                k, v = layer.kv_from(k, v, cos, sin)
+            else:  # the context rows' q is computed and dropped: their weights are read anyway
+                q, k, v = self._split(i, "qkv", torch.cat([h_ctx, h.reshape(r * g, -1)])[None], parts)
+                k, v = layer.kv_from(k, v, cos_all, sin_all)
+                self._write_context(i, k[0], v[0], writes)  # before the block's rows: a
+                # rejected draft's scratch row may sit where the block now starts
+                q, k, v = (t[0, n:].view(r, g, *t.shape[2:]) for t in (q, k, v))
+            kv.write(i, slot_rows, pos, k, v)
+            keys, vals = kv.read(i, slot_t, first, rows)
             # the last layer's outputs are read at the γ drafted positions only: positions ≥ γ
             # enter it as keys and values, so its queries, o_proj and MLP run on γ rows, not G
-            # (every row's output is unchanged: attention rows are independent)
+            # (every row's output is unchanged: attention rows are independent; the fused q
+            # projection runs on all G rows, which costs no extra read of its weights)
             nq = self.gamma if i == last else g
-            x, h = x[:, :nq], h[:, :nq]
-            q = layer.q_norm(proj(layer.q_proj, h).view(r, nq, layer.n_heads, layer.head_dim))
+            x = x[:, :nq]
+            q = layer.q_norm(q[:, :nq].reshape(r, nq, layer.n_heads, layer.head_dim))
             q = apply_rope(q, cos[:, :nq], sin[:, :nq])
             # GQA without copying K/V: the query heads sharing a kv head become rows of one query
             # block, [R, Hkv, (H/Hkv)·nq, hd] against the slot cache's [R, Hkv, rows, hd]
@@ -200,8 +312,7 @@ class DSparkDrafter(SlotDrafter):
             out = F.scaled_dot_product_attention(qg, keys, vals, attn_mask=mask)
             out = out.view(r, layer.n_kv, grp, nq, layer.head_dim).permute(0, 3, 1, 2, 4)
             x = x + proj(layer.o_proj, out.reshape(r, nq, -1))
-            h = layer.post_norm(x)
-            x = x + proj(layer.down_proj, F.silu(proj(layer.gate_proj, h)) * proj(layer.up_proj, h))
+            x = x + self._mlp(i, layer, layer.post_norm(x))
         return x
 
     def _head(self, h: torch.Tensor, base: torch.Tensor, x0: torch.Tensor,
@@ -219,6 +330,21 @@ class DSparkDrafter(SlotDrafter):
         prev = torch.cat([x0[:, None], tokens[:, :-1]], dim=1)
         return tokens, self.model.conf(h, head.token_features(prev)).float()
 
+    def _greedy_bigram(self, h: torch.Tensor, base: torch.Tensor,
+                       x0: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """`_head` for greedy rows with a Markov head over the draft vocabulary: from k = 1 on,
+        x_{k−1} is a draft-vocabulary token, so B(x_{k−1}) is a row of `_bigram` (the anchor x0 may
+        be any token: its bias is the rank-r product). Same logits up to the order of the r
+        products in each sum; the loop stays in draft-vocabulary indices until the end."""
+        idx = (base[:, 0] + self._w2_head(self.model.head.W1(x0))).max(-1).indices  # type: ignore[misc]
+        picks = [idx]
+        for k in range(1, self.gamma):
+            idx = (base[:, k] + self._bigram[idx]).max(-1).indices  # type: ignore[index]
+            picks.append(idx)
+        tokens = self._token_ids(torch.stack(picks, dim=1))
+        prev = torch.cat([x0[:, None], tokens[:, :-1]], dim=1)
+        return tokens, self.model.conf(h, self.model.head.token_features(prev)).float()
+
     @torch.inference_mode()
     def propose(self, slots: list[int], anchors: torch.Tensor, params: list[SamplingParams],
                 uniforms: torch.Tensor) -> DraftBlock:
@@ -227,8 +353,11 @@ class DSparkDrafter(SlotDrafter):
         base = self._lm_head(self.model.norm(h))  # [R, γ, K]: the step's one big GEMM
         greedy = [p.greedy for p in params]
         if all(greedy):
-            tokens, conf = self._head(h, base, anchors,
-                                      lambda k, logits: self._token_ids(logits.max(-1).indices))
+            if self._bigram is not None:
+                tokens, conf = self._greedy_bigram(h, base, anchors)
+            else:
+                tokens, conf = self._head(h, base, anchors,
+                                          lambda k, logits: self._token_ids(logits.max(-1).indices))
             self.probs.put(slots, greedy, None)
             return DraftBlock(tokens, conf)
         sampling = SamplingBatch.from_params(params, self.device)

@@ -93,9 +93,14 @@ class DraftLayer(nn.Module):
            proj=apply_module) -> tuple[torch.Tensor, torch.Tensor]:
         """x [B, T, d] -> k, v [B, T, Hkv, hd] (k normed and rotated). Used for ctx and block alike.
         proj(linear, x): how to apply a projection (default: the module itself)."""
-        b, t, _ = x.shape
-        k = self.k_norm(proj(self.k_proj, x).view(b, t, self.n_kv, self.head_dim))
-        return apply_rope(k, cos, sin), proj(self.v_proj, x).view(b, t, self.n_kv, self.head_dim)
+        return self.kv_from(proj(self.k_proj, x), proj(self.v_proj, x), cos, sin)
+
+    def kv_from(self, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor,
+                sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The k / v projections [B, T, Hkv·hd] -> k, v [B, T, Hkv, hd] (k normed and rotated)."""
+        b, t, _ = k.shape
+        k = self.k_norm(k.reshape(b, t, self.n_kv, self.head_dim))
+        return apply_rope(k, cos, sin), v.reshape(b, t, self.n_kv, self.head_dim)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx_k: torch.Tensor,
                 ctx_v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
