@@ -184,7 +184,10 @@ def serve(pb_utils, obj: Any, request, allowed: Iterable[str]):
     """Run one forwarded call on `obj`; -> the InferenceResponse (errors become error responses)."""
     try:
         call = pb_utils.get_input_tensor_by_name(request, "call").as_numpy().reshape(-1)[0].decode("utf-8")
-        tensors = {t.name(): _from_pb(t) for t in request.inputs() if t.name() != "call"}
+        # copies that own their memory: a served object may keep an argument past the call (the
+        # DSpark drafter runs an extend with its next propose), and a request's input tensors are
+        # views of memory the backend owns only until the request is answered
+        tensors = {t.name(): _from_pb(t).clone() for t in request.inputs() if t.name() != "call"}
         method, args = decode_call(call, tensors)
         if method not in allowed:
             raise ValueError(f"method {method!r} is not served (allowed: {', '.join(sorted(allowed))})")
