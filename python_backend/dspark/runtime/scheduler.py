@@ -247,9 +247,9 @@ class Policy:
             return sps
         # a step of R requests verifies at most R·(γ + 1) tokens: nothing reads the rates past it
         price = 1.0 / sps[:num_requests * (self.gamma + 1) + 1]
-        base = price[min(num_requests, len(sps) - 1)]
+        base = price[min(num_requests, len(price) - 1)]
         knee = price.copy()  # the price at B capped at 2R
-        knee[2 * num_requests + 1:] = price[min(2 * num_requests, len(sps) - 1)]
+        knee[2 * num_requests + 1:] = price[min(2 * num_requests, len(price) - 1)]
         a, b, c = self.draft_cost.verify_scale(num_requests)
         forward = a * base + b * (knee - base) + c * (price - knee)
         drafted_s = t_draft + self.draft_cost.overhead(num_requests, True) + forward

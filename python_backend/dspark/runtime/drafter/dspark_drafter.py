@@ -45,7 +45,7 @@ class DSparkDrafter(SlotDrafter):
         self._kv = SlotKV(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, self.device, self.dtype)
         self._pending: list[tuple] = []  # (slots, tokens, taps, cu_seqlens, keep) of extends not yet run
         self._packed: dict[nn.Module, PackedLinear | Dense] = {}
-        # fused serving projections per layer: "qkv" (block rows), "kv" (context rows), "gate_up"
+        # fused serving projections per layer: "qkv", "gate_up"
         self._fused: dict[tuple[int, str], PackedLinear | Dense] = {}
         self._rope_cos = self._rope_sin = torch.empty(0)  # [positions, hd] tables (`_rope`)
         self.set_vocab(None)
@@ -57,18 +57,18 @@ class DSparkDrafter(SlotDrafter):
         draft LM head alone was 38 % of a batch-1 propose with F.linear. The model's weights must
         not change afterwards (a loaded drafter; not one that is being trained)."""
         m = self.model
-        linears = [m.fc] + [lin for layer in m.draft_layers for lin in (
-            layer.q_proj, layer.k_proj, layer.v_proj, layer.o_proj, layer.gate_proj, layer.up_proj,
-            layer.down_proj)]
-        self._packed = {lin: serving_linear(lin.weight.detach(), lin.bias) for lin in linears}
-        # one GEMM where the layer runs several on the same rows (q, k, v; k, v; gate, up): fewer
+        linears = [m.fc]
+        # one GEMM where the layer runs several on the same rows (q, k, v; gate, up): fewer
         # calls, and on the CPU each one starts on weights the target's step left cold
         for i, layer in enumerate(m.draft_layers):
+            linears += [layer.o_proj, layer.down_proj]
             for name, parts in (("qkv", (layer.q_proj, layer.k_proj, layer.v_proj)),
-                                ("kv", (layer.k_proj, layer.v_proj)),
                                 ("gate_up", (layer.gate_proj, layer.up_proj))):
                 if all(p.bias is None for p in parts):
                     self._fused[(i, name)] = serving_linear(torch.cat([p.weight.detach() for p in parts]))
+                else:
+                    linears += parts
+        self._packed = {lin: serving_linear(lin.weight.detach(), lin.bias) for lin in linears}
         self.set_vocab(self.vocab)
         return self
 
@@ -79,11 +79,12 @@ class DSparkDrafter(SlotDrafter):
             return [self._proj(p, x) for p in parts]
         return list(fused(x).split([p.weight.shape[0] for p in parts], dim=-1))
 
-    def _layer_kv(self, i: int, layer: DraftLayer, x: torch.Tensor, cos: torch.Tensor,
-                  sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """`DraftLayer.kv` (k normed and rotated) with k and v from one GEMM."""
-        k, v = self._split(i, "kv", x, (layer.k_proj, layer.v_proj))
-        return layer.kv_from(k, v, cos, sin)
+    def _qkv(self, i: int, layer: DraftLayer, x: torch.Tensor, cos: torch.Tensor,
+             sin: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """x [B, T, d] -> q [B, T, H·hd] as projected, and `DraftLayer.kv`'s k, v (k normed and
+        rotated), from one GEMM (context rows drop q: their weights are read anyway)."""
+        q, k, v = self._split(i, "qkv", x, (layer.q_proj, layer.k_proj, layer.v_proj))
+        return (q, *layer.kv_from(k, v, cos, sin))
 
     def _mlp(self, i: int, layer: DraftLayer, h: torch.Tensor) -> torch.Tensor:
         gate, up = self._split(i, "gate_up", h, (layer.gate_proj, layer.up_proj))
@@ -192,7 +193,7 @@ class DSparkDrafter(SlotDrafter):
         if ctx is not None:
             h_ctx, cos, sin, writes = ctx
             for i, layer in enumerate(self.model.draft_layers):
-                k, v = self._layer_kv(i, layer, h_ctx[None], cos[None], sin[None])
+                _, k, v = self._qkv(i, layer, h_ctx[None], cos[None], sin[None])
                 self._write_context(i, k[0], v[0], writes)
 
     def _write_context(self, layer: int, k: torch.Tensor, v: torch.Tensor, writes: list) -> None:
@@ -284,13 +285,11 @@ class DSparkDrafter(SlotDrafter):
         proj, last = self._proj, len(m.draft_layers) - 1
         for i, layer in enumerate(m.draft_layers):
             h = layer.input_norm(x)
-            parts = (layer.q_proj, layer.k_proj, layer.v_proj)
             if ctx is None:
-                q, k, v = self._split(i, "qkv", h, parts)
-                k, v = layer.kv_from(k, v, cos, sin)
-            else:  # the context rows' q is computed and dropped: their weights are read anyway
-                q, k, v = self._split(i, "qkv", torch.cat([h_ctx, h.reshape(r * g, -1)])[None], parts)
-                k, v = layer.kv_from(k, v, cos_all, sin_all)
+                q, k, v = self._qkv(i, layer, h, cos, sin)
+            else:  # the context rows' q is computed and dropped
+                rows_in = torch.cat([h_ctx, h.reshape(r * g, -1)])[None]
+                q, k, v = self._qkv(i, layer, rows_in, cos_all, sin_all)
                 self._write_context(i, k[0], v[0], writes)  # before the block's rows: a
                 # rejected draft's scratch row may sit where the block now starts
                 q, k, v = (t[0, n:].view(r, g, *t.shape[2:]) for t in (q, k, v))
@@ -327,8 +326,12 @@ class DSparkDrafter(SlotDrafter):
             bias = None if feats is None or self._w2_head is None else self._w2_head(feats)
             logits = base[:, k] if bias is None else base[:, k] + bias
             tokens[:, k] = x_prev = choose(k, logits)
+        return tokens, self._confidence(h, x0, tokens)
+
+    def _confidence(self, h: torch.Tensor, x0: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+        """Confidence logits [R, γ] of a drafted block: z_k reads h_k and x_{k−1} (x_0 the anchor)."""
         prev = torch.cat([x0[:, None], tokens[:, :-1]], dim=1)
-        return tokens, self.model.conf(h, head.token_features(prev)).float()
+        return self.model.conf(h, self.model.head.token_features(prev)).float()
 
     def _greedy_bigram(self, h: torch.Tensor, base: torch.Tensor,
                        x0: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -342,8 +345,7 @@ class DSparkDrafter(SlotDrafter):
             idx = (base[:, k] + self._bigram[idx]).max(-1).indices  # type: ignore[index]
             picks.append(idx)
         tokens = self._token_ids(torch.stack(picks, dim=1))
-        prev = torch.cat([x0[:, None], tokens[:, :-1]], dim=1)
-        return tokens, self.model.conf(h, self.model.head.token_features(prev)).float()
+        return tokens, self._confidence(h, x0, tokens)
 
     @torch.inference_mode()
     def propose(self, slots: list[int], anchors: torch.Tensor, params: list[SamplingParams],
