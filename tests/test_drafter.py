@@ -17,6 +17,8 @@ from dspark.runtime.drafter.dspark_drafter import DSparkDrafter
 from dspark.runtime.drafter.dspark_model import DSparkConfig, DSparkModel, save_dspark
 from dspark.runtime.drafter.eagle import EagleConfig, EagleDrafter, EagleModel, save_eagle
 from dspark.runtime.drafter.files import shared_weights
+from dspark.runtime.drafter.hybrid import HybridDrafter
+from dspark.runtime.drafter.ngram import NGramDrafter
 from dspark.runtime.engine import SpecEngine
 from dspark.runtime.sampling import SamplingParams, param_tensors, sampling_probs
 from dspark.runtime.target import TargetEngine
@@ -453,6 +455,52 @@ def test_greedy_speculative_output_equals_plain_decoding(target, tmp_path, kind)
     eng = SpecEngine(target, drafter, policy="fixed:3")
     eng.generate(prompts, 12, SamplingParams(temperature=0.9, top_k=30, seed=1))
     assert eng.metrics.drafter_fallbacks == 0 and sum(eng.metrics.verified) > 0
+
+
+@pytest.mark.parametrize("kind", ["dspark-markov", "dspark-markov-bigram", "dspark-rnn", "eagle", "draft_lm",
+                                  "ngram", "hybrid"])
+def test_narrow_block_is_the_full_blocks_prefix(target, tmp_path, kind):
+    """propose with uniforms [R, w] drafts the first w tokens of the γ-block, with the same
+    confidences and (sampled rows) draft probabilities: the engine asks for w = 1 on a uniform
+    or MTP-1 step. A width outside 1..γ is refused."""
+    def make(tag: str):
+        if kind == "eagle":
+            return make_eagle(target)
+        if kind == "draft_lm":
+            return make_draft_lm(target, tmp_path / tag)
+        if kind in ("ngram", "hybrid"):
+            lookup = NGramDrafter(gamma=4, n=2)
+            if kind == "ngram":
+                return lookup
+            return HybridDrafter(lookup, make_dspark(target, "markov"), target.vocab_size, min_match=1)
+        d = make_dspark(target, kind.split("-")[1])
+        if kind.endswith("bigram"):
+            d.pack_for_inference().set_vocab(torch.arange(3, target.vocab_size, 3))
+        return d
+
+    prompts, taps = prompts_and_taps(target)
+    prompts = [prompts[0], prompts[1][:4] + prompts[1][:4]]  # the second repeats itself: a lookup row
+    taps = [t[:len(p)] for t, p in zip(taps, prompts)]
+    params = [SamplingParams()] * 2 if kind.endswith("bigram") else MIXED
+    anchors, u = torch.tensor([5, prompts[1][4]]), uniforms(2, 4)
+    blocks, probs = [], []
+    for w in (4, 2, 1):
+        d = make(f"d{w}")
+        start_all(d, prompts, taps, [0, 1])
+        blocks.append(d.propose([0, 1], anchors, params, u[:, :w]))
+        probs.append(None if params[1].greedy else d.draft_probs([1], torch.tensor([w])))  # the sampled row
+    for b, q in zip(blocks[1:], probs[1:]):
+        w = b.tokens.shape[1]
+        assert b.tokens.shape == b.conf_logits.shape == (2, w)
+        assert torch.equal(b.tokens, blocks[0].tokens[:, :w])
+        torch.testing.assert_close(b.conf_logits, blocks[0].conf_logits[:, :w])
+        if probs[0] is not None:
+            torch.testing.assert_close(q, probs[0][:w])
+    if kind == "hybrid":
+        assert d.lookup_rows[1] is not None and d.lookup_rows[0] is None  # both sources were narrowed
+    for bad in (0, 5):
+        with pytest.raises(ValueError, match="uniforms"):
+            d.propose([0, 1], anchors, params, torch.rand(2, bad))
 
 
 def test_load_rejects_a_drafter_trained_on_other_taps(target, tmp_path):

@@ -4,6 +4,7 @@ continuous batching, cancellation, no slot leaks, drafter failures and reproduci
 
 from __future__ import annotations
 
+import itertools
 import random
 import threading
 import time
@@ -63,14 +64,14 @@ class RandomDrafter:
 
     def propose(self, slots, anchors, params, uniforms):
         time.sleep(self.delay_s)  # stands for an expensive drafter
-        r, v = len(slots), self.target.vocab_size
-        logits = torch.randn(r, self.gamma, v, generator=self.gen) * self.sharpness
-        probs = sampling_probs(logits.reshape(r * self.gamma, v),
-                               *(x.repeat_interleave(self.gamma) for x in param_tensors(params)))
-        tokens = sample_inverse_cdf(probs, uniforms.reshape(-1)).reshape(r, self.gamma)
+        r, v, w = len(slots), self.target.vocab_size, uniforms.shape[1]  # w: the policy's draft width
+        logits = torch.randn(r, self.gamma, v, generator=self.gen)[:, :w] * self.sharpness
+        probs = sampling_probs(logits.reshape(r * w, v),
+                               *(x.repeat_interleave(w) for x in param_tensors(params)))
+        tokens = sample_inverse_cdf(probs, uniforms.reshape(-1)).reshape(r, w)
         greedy = [p.greedy for p in params]
-        self.store.put(slots, greedy, probs.reshape(r, self.gamma, v)[[not g for g in greedy]])
-        return DraftBlock(tokens, torch.randn(r, self.gamma, generator=self.gen) * 2 + 1)
+        self.store.put(slots, greedy, probs.reshape(r, w, v)[[not g for g in greedy]])
+        return DraftBlock(tokens, torch.randn(r, self.gamma, generator=self.gen)[:, :w] * 2 + 1)
 
     def draft_probs(self, slots, lengths):
         for s in slots:  # the target holds exactly the context when probabilities are asked for
@@ -86,11 +87,11 @@ class FixedDrafter(RandomDrafter):
         self.p_d = p_d
 
     def propose(self, slots, anchors, params, uniforms):
-        r = len(slots)
-        probs = self.p_d.expand(r * self.gamma, -1)
-        tokens = sample_inverse_cdf(probs, uniforms.reshape(-1)).reshape(r, self.gamma)
-        self.store.put(slots, [p.greedy for p in params], probs.reshape(r, self.gamma, -1).clone())
-        return DraftBlock(tokens, torch.zeros(r, self.gamma))
+        r, w = len(slots), uniforms.shape[1]
+        probs = self.p_d.expand(r * w, -1)
+        tokens = sample_inverse_cdf(probs, uniforms.reshape(-1)).reshape(r, w)
+        self.store.put(slots, [p.greedy for p in params], probs.reshape(r, w, -1).clone())
+        return DraftBlock(tokens, torch.zeros(r, w))
 
 
 class FlakyDrafter(NGramDrafter):
@@ -410,6 +411,44 @@ class Recording(NGramDrafter):
         return super().propose(slots, anchors, params, uniforms)
 
 
+class WidthRecording(Recording):
+    """n-gram drafter that records each propose's width; a full block takes 10 ms, a narrow one none."""
+
+    def __init__(self, gamma: int) -> None:
+        super().__init__(gamma)
+        self.widths: list[int] = []
+
+    def propose(self, slots, anchors, params, uniforms):
+        self.widths.append(uniforms.shape[1])
+        if uniforms.shape[1] == self.gamma:
+            time.sleep(0.01)
+        return super().propose(slots, anchors, params, uniforms)
+
+
+def test_drafts_only_what_the_step_can_verify(target, prompts, reference):
+    """The drafter proposes the policy's draft width: fixed:k k tokens (capped at γ; MTP-1 one), a
+    dspark step of the uniform shape one per request, a ranked one γ. Greedy output stays
+    identical, and t_draft(R) (the ranked step's price) is learned from full blocks only."""
+    for spec, want in (("mtp1", {1}), ("fixed:3", {3}), ("fixed:9", {4})):
+        drafter = WidthRecording(4)
+        engine = SpecEngine(target, drafter, spec, sps=SPS)
+        assert engine.generate(prompts, MAX_TOKENS, stop_token_ids=[]) == reference
+        assert set(drafter.widths) == want, spec
+    drafter = WidthRecording(4)
+    engine = SpecEngine(target, drafter, "dspark", sps=SPS)
+    policy, shapes = engine.policy, itertools.cycle(["uniform", "uniform", "ranked"])
+
+    def wants_draft(num_requests: int) -> bool:
+        policy._next_shape = next(shapes)
+        return True
+
+    policy.wants_draft = wants_draft
+    assert engine.generate(prompts, MAX_TOKENS, stop_token_ids=[]) == reference
+    check_clean(engine, target)
+    assert set(drafter.widths) == {1, 4} and policy.uniform_steps > 0
+    assert min(policy.draft_cost.to_dict().values()) >= 0.01  # never a narrow propose's time
+
+
 def every_nth_step(policy_spec: str, n: int):
     """A policy whose cost rule drafts one step in n (the others plain, ℓ = 0)."""
     policy = make_policy(policy_spec, sps=SPS, gamma=4)
@@ -575,6 +614,7 @@ def exact_pair_distribution(target: TargetEngine, prompt: list[int], params: Sam
 
 @pytest.mark.parametrize("policy,params", [
     ("fixed:2", SamplingParams(temperature=1.0)),
+    ("fixed:1", SamplingParams(temperature=1.0)),  # narrow blocks: the drafter proposes one token
     pytest.param("dspark", SamplingParams(temperature=0.8, top_k=5, top_p=0.9), marks=pytest.mark.slow),
 ])
 def test_output_distribution_exact(small_vocab_target, policy, params):

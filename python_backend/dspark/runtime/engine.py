@@ -106,8 +106,8 @@ class _Drafts:
     """Drafts proposed at the end of a step for the next one: request id -> row."""
 
     rows: dict[str, int]
-    tokens: torch.Tensor  # [M, γ] i64 (device)
-    survival: torch.Tensor  # [M, γ] f32 (host, arrives with the step's one sync)
+    tokens: torch.Tensor  # [M, w] i64 (device), w ≤ γ: the policy's draft width
+    survival: torch.Tensor  # [M, w] f32 (host, arrives with the step's one sync)
     sources: torch.Tensor | None  # [M] i64 host: the drafter's proposer per row (None: one)
 
 
@@ -238,14 +238,16 @@ class SpecEngine:
         counters = torch.tensor([r.verify_steps for r in reqs], dtype=torch.int64).to(dev)
         anchors = torch.tensor([r.output[-1] for r in reqs], dtype=torch.int64).to(dev)
         drafts, survival, sources = self._drafts(reqs, anchors, keys, counters)
+        width = self._parts()[1].draft_width() if survival is not None else 0
         clock["draft"] += time.perf_counter() - t
 
         t = time.perf_counter()  # schedule (host): ℓ, then the flat batch [x0, d_1..d_ℓ] per request
         remaining = torch.tensor([self._remaining(r) for r in reqs], dtype=torch.int64)
         ells = torch.zeros(R, dtype=torch.int64)
         if survival is not None:
-            ells = self._parts()[1].decide(survival, remaining, sources).to(torch.int64)
-            ells = torch.minimum(ells.clamp(0, g), (remaining - 1).clamp(min=0))  # architecture §7 caps
+            # the drafted columns only: a narrow step's policy sees a [R, w] block
+            ells = self._parts()[1].decide(survival[:, :width], remaining, sources).to(torch.int64)
+            ells = torch.minimum(ells.clamp(0, width), (remaining - 1).clamp(min=0))  # architecture §7 caps
             ells = ells * torch.tensor([r.drafting for r in reqs])  # failed drafters: ℓ = 0
         batch = self._flat_batch(reqs, anchors, drafts, ells)
         clock["schedule"] += time.perf_counter() - t
@@ -282,7 +284,7 @@ class SpecEngine:
             nxt.survival = host[2]
         self._next = nxt
         if survival is not None:  # what the survivals predicted, against what was accepted
-            self._parts()[1].observe_acceptance(survival, ells, host[0].cpu(), sources)  # type: ignore[union-attr]
+            self._parts()[1].observe_acceptance(survival[:, :width], ells, host[0].cpu(), sources)  # type: ignore[union-attr]
         n_acc: list[int] = host[0].tolist()  # type: ignore[union-attr]
         out: list[list[int]] = host[1].tolist()  # type: ignore[union-attr]
         ell: list[int] = ells.tolist()
@@ -382,10 +384,10 @@ class SpecEngine:
 
     def _drafts(self, reqs: list[Request], anchors: torch.Tensor, keys: torch.Tensor,
                 counters: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        """This step's drafts [R, γ] (device), survivals [R, γ] (host) and the drafter's proposer
-        per row [R] (host, None: one), or Nones for a plain step. Requests drafted at the end of
-        the last step reuse those drafts; the others (just admitted) are proposed now, which costs
-        this step one extra host sync."""
+        """This step's drafts [R, γ] (device), survivals [R, γ] (host; both zero past the policy's
+        draft width) and the drafter's proposer per row [R] (host, None: one), or Nones for a
+        plain step. Requests drafted at the end of the last step reuse those drafts; the others
+        (just admitted) are proposed now, which costs this step one extra host sync."""
         nxt, self._next = self._next, None
         draft = self._draft_next
         if self.policy is None or not (draft if draft is not None else self.policy.wants_draft(len(reqs))):
@@ -398,8 +400,9 @@ class SpecEngine:
         sources: torch.Tensor | None = None
         if have and nxt is not None:
             rows = torch.tensor([nxt.rows[reqs[i].request_id] for i in have])
-            tokens[torch.tensor(have, device=dev)] = nxt.tokens[rows.to(dev)]
-            survival[torch.tensor(have)] = nxt.survival[rows]
+            w = nxt.tokens.shape[1]
+            tokens[torch.tensor(have, device=dev), :w] = nxt.tokens[rows.to(dev)]
+            survival[torch.tensor(have), :w] = nxt.survival[rows]
             if nxt.sources is not None:
                 sources = torch.zeros(R, dtype=torch.int64)
                 sources[torch.tensor(have)] = nxt.sources[rows]
@@ -408,9 +411,10 @@ class SpecEngine:
             block = self._propose([reqs[i] for i in need], anchors[idx.to(dev)], keys[idx.to(dev)],
                                   counters[idx.to(dev)])
             if block is not None:
-                tokens[idx.to(dev)] = block.tokens
+                w = block.tokens.shape[1]
+                tokens[idx.to(dev), :w] = block.tokens
                 surv = sts_survival(block.conf_logits, self.sts_temperatures, self.sts_shifts)
-                survival[idx] = surv.float().cpu()
+                survival[idx, :w] = surv.float().cpu()
                 if block.sources is not None:
                     sources = torch.zeros(R, dtype=torch.int64) if sources is None else sources
                     sources[idx] = block.sources.cpu()
@@ -418,22 +422,28 @@ class SpecEngine:
 
     def _propose(self, reqs: list[Request], anchors: torch.Tensor, keys: torch.Tensor,
                  counters: torch.Tensor) -> DraftBlock | None:
-        """drafter.propose for `reqs`; a drafter exception counts a fallback and drafts nothing
-        (those requests verify ℓ = 0 this step: still lossless)."""
+        """drafter.propose for `reqs` at the policy's draft width w (the step verifies no more per
+        request: MTP-1, a uniform step) -> a [R, w] block; a drafter exception counts a fallback
+        and drafts nothing (those requests verify ℓ = 0 this step: still lossless). The width is
+        decided before drafting, like the step's shape, so it is lossless too; Philox uniforms
+        are prefix-stable, so a sampled draft at position k reads the same u at any width."""
         drafter, policy = self._parts()
         if not self._flush_deferred(reqs):  # the context first (not timed as t_draft: catch-up)
             return None
+        width = policy.draft_width()
         t0 = time.perf_counter()
         self._step_drafter_calls += 1
         try:
             block = drafter.propose([r.slot for r in reqs], anchors, [r.params for r in reqs],
-                                         step_uniforms(reqs, keys, counters, self.gamma, STREAM_DRAFT))
+                                    step_uniforms(reqs, keys, counters, width, STREAM_DRAFT))
         except Exception:
             self._fallback("propose")
             return None
         seconds = time.perf_counter() - t0
         self._step_drafter_s += seconds
-        policy.observe_draft(len(reqs), seconds)  # the cost rule's t_draft(R)
+        policy.observe_draft(len(reqs), seconds, width)  # the cost rule's t_draft(R)
+        if block.tokens.shape[1] != width:
+            block = DraftBlock(block.tokens[:, :width], block.conf_logits[:, :width], block.sources)
         return block
 
     def _propose_next(self, reqs: list[Request], res, keys: torch.Tensor, counters: torch.Tensor,

@@ -60,6 +60,14 @@ class DraftBlock:
     sources: torch.Tensor | None = None
 
 
+def block_width(uniforms: torch.Tensor, gamma: int) -> int:
+    """w = uniforms.shape[1], the tokens a `DrafterLike.propose` drafts per request (1 ≤ w ≤ γ)."""
+    if uniforms.dim() != 2 or not 1 <= uniforms.shape[1] <= gamma:
+        raise ValueError(f"propose: uniforms must be [R, w] with 1 <= w <= gamma={gamma}, "
+                         f"got shape {tuple(uniforms.shape)}")
+    return int(uniforms.shape[1])
+
+
 class DrafterLike(Protocol):
     gamma: int
 
@@ -90,8 +98,11 @@ class DrafterLike(Protocol):
         params: list[SamplingParams],  # R, the request's temperature / top-k / top-p (greedy: argmax)
         uniforms: torch.Tensor,  # [R, γ] f32 in [0, 1): the inverse-CDF draw of each sampled position
     ) -> DraftBlock:
-        """Draft γ tokens per request. The drafter keeps, per slot, the distribution each sampled
-        token was drawn from until the slot's next propose (read back by `draft_probs`)."""
+        """Draft w = uniforms.shape[1] tokens per request, 1 ≤ w ≤ γ (`block_width`): the first w
+        of the block it would draft at γ. The engine asks for fewer when the step cannot verify
+        more (one draft per request: MTP-1, a uniform step); a drafter may return more columns,
+        of which the engine reads the first w. The drafter keeps, per slot, the distribution each
+        sampled token was drawn from until the slot's next propose (read back by `draft_probs`)."""
         ...
 
     def draft_probs(

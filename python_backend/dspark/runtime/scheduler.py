@@ -28,11 +28,13 @@ MIN_STEP_S = 1e-6  # floor of a modelled step time (a negative measured overhead
 def sts_survival(conf_logits: torch.Tensor, temperatures: torch.Tensor,
                  shifts: torch.Tensor | None = None) -> torch.Tensor:
     """Sequential Temperature Scaling (docs/architecture.md §8): ĉ = σ(z / T_k [+ b_k]), survival =
-    cumprod over k. `shifts` b_k: the affine variant, shipped where temperatures alone leave a bias."""
-    temps = torch.as_tensor(temperatures, dtype=conf_logits.dtype, device=conf_logits.device)
+    cumprod over k. `shifts` b_k: the affine variant, shipped where temperatures alone leave a bias.
+    A narrow block [R, w] (`Policy.draft_width`) reads the first w of each."""
+    w = conf_logits.shape[-1]
+    temps = torch.as_tensor(temperatures, dtype=conf_logits.dtype, device=conf_logits.device)[..., :w]
     z = conf_logits / temps
     if shifts is not None:
-        z = z + torch.as_tensor(shifts, dtype=conf_logits.dtype, device=conf_logits.device)
+        z = z + torch.as_tensor(shifts, dtype=conf_logits.dtype, device=conf_logits.device)[..., :w]
     return torch.cumprod(torch.sigmoid(z), dim=-1)
 
 
@@ -70,6 +72,7 @@ class Policy:
             self._buckets = np.asarray(sps.batch_tokens if sps.padded else range(1, sps.batch_tokens[-1] + 1),
                                        dtype=np.int64)
         self._snapshots: deque[np.ndarray] = deque(maxlen=2)  # admissible survivals of t−2, t−1
+        self._unabsorbed: np.ndarray | None = None  # step t−1's snapshot, if full-width
         self.last_budget = 0
         self._next_shape = "ranked"  # the shape wants_draft chose for the coming step
         self.uniform_steps = 0  # decides of the uniform shape (for reports)
@@ -88,6 +91,7 @@ class Policy:
 
     def reset(self) -> None:
         self._snapshots.clear()
+        self._unabsorbed = None
         self.last_budget = 0
         self.shape = self._next_shape = "ranked"
         self._shape_runs = {}
@@ -192,9 +196,18 @@ class Policy:
             self._profile += self.PROFILE_ALPHA * (curve - self._profile)
 
     # -- drafting cost (architecture §7) --------------------------------------------------------
-    def observe_draft(self, num_requests: int, seconds: float) -> None:
-        """The engine reports what drafting a step for R requests took."""
-        self.draft_cost.observe(num_requests, seconds)
+    def observe_draft(self, num_requests: int, seconds: float, width: int | None = None) -> None:
+        """The engine reports what drafting a step for R requests took, `width` tokens each (None:
+        γ). t_draft(R) prices a ranked step's full block: narrower proposes (uniform steps) are
+        measured with their whole steps instead (`DraftCost.uniform_rate`)."""
+        if width is None or width >= self.gamma:
+            self.draft_cost.observe(num_requests, seconds)
+
+    def draft_width(self) -> int:
+        """Tokens per request the coming drafted step may verify, so the drafter proposes no more
+        (`DrafterLike.propose`): γ, or fewer where the policy's rule caps ℓ before drafting.
+        Decided before the step's drafts exist, so it reads no draft: lossless."""
+        return self.gamma
 
     def observe_step(self, num_requests: int, batch_tokens: int, drafted: bool, seconds: float,
                      propose_seconds: float, verify_seconds: float | None = None) -> None:
@@ -304,9 +317,15 @@ class Policy:
                 lengths = ranking.top_k_lengths(a, lengths, room)
             k = int(lengths.sum())
         self.last_budget = k
-        if self.counts_drafting and self._snapshots:
-            self._absorb(self._snapshots[-1])  # step t−1's snapshot joins the cost rule's average
-        self._snapshots.append(ranking.zero_capped(a, cap))
+        if self.counts_drafting and self._unabsorbed is not None:
+            self._absorb(self._unabsorbed)  # step t−1's snapshot joins the cost rule's average
+        snapshot = ranking.zero_capped(a, cap)
+        # a narrow block (`draft_width`): its undrafted candidates survive with 0 in the K_t
+        # snapshot, and the cost rule's curve of what a full block offers skips it
+        self._unabsorbed = snapshot if gamma >= self.gamma else None
+        if gamma < self.gamma:
+            snapshot = np.concatenate([snapshot, np.zeros((self.gamma - gamma, num_requests), np.float32)])
+        self._snapshots.append(snapshot)
         return torch.from_numpy(lengths)
 
     # -- helpers for budget policies ---------------------------------------------------------------
@@ -344,6 +363,9 @@ class Fixed(Policy):
 
     def _admit_lengths(self, a, cap):
         return np.minimum(cap, self.k)
+
+    def draft_width(self) -> int:
+        return max(min(self.k, self.gamma), 1)
 
 
 class Threshold(Policy):
@@ -468,6 +490,12 @@ class DSpark(Policy):
         if self._next_shape == "ranked":
             self.draft_cost.observe_prediction(num_requests, predicted)  # a ranked step follows
         return True
+
+    def draft_width(self) -> int:
+        """A uniform step verifies one draft per request, so it drafts one (at 32 requests on
+        SmolLM2 a 1-token propose took 9.7 ms against 24.2 ms for γ = 7: the block's keys span
+        all G inputs either way, its queries, MLP, LM head and head steps do not)."""
+        return 1 if self._next_shape == "uniform" else self.gamma
 
     def _pick_shape(self, num_requests: int, ranked: float, uniform: float | None) -> str:
         """The coming drafted step's shape: "uniform" until RATE_MIN_STEPS uniform steps at R

@@ -19,7 +19,7 @@ from dspark.runtime.batch import RaggedBatch
 from dspark.runtime.config import ModelConfig
 from dspark.runtime.drafter.context import DraftProbStore
 from dspark.runtime.drafter.files import read_calibration, read_sts_shifts
-from dspark.runtime.interfaces import DraftBlock
+from dspark.runtime.interfaces import DraftBlock, block_width
 from dspark.runtime.loader import save_pretrained
 from dspark.runtime.model import Transformer
 from dspark.runtime.sampling import SamplingBatch, SamplingParams
@@ -90,7 +90,7 @@ class DraftLMDrafter:
     @torch.inference_mode()
     def propose(self, slots: list[int], anchors: torch.Tensor, params: list[SamplingParams],
                 uniforms: torch.Tensor) -> DraftBlock:
-        eng, r, gamma = self.engine, len(slots), self.gamma
+        eng, r, gamma = self.engine, len(slots), block_width(uniforms, self.gamma)
         own = [self._own[s] for s in slots]
         starts = [eng.length(o) for o in own]
         feed = [self._known[s][st:] + [int(a)] for s, st, a in zip(slots, starts, anchors.tolist())]

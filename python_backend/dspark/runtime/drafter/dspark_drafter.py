@@ -17,7 +17,7 @@ from dspark.runtime.drafter.context import SlotDrafter, SlotKV, segments
 from dspark.runtime.drafter.dspark_model import DraftLayer, DSparkConfig, DSparkModel, save_dspark
 from dspark.runtime.drafter.files import read_calibration, read_draft_vocab, read_sts_shifts, shared_weights
 from dspark.runtime.drafter.heads import MarkovHead
-from dspark.runtime.interfaces import DraftBlock
+from dspark.runtime.interfaces import DraftBlock, block_width
 from dspark.runtime.linear import Dense, PackedLinear, serving_linear
 from dspark.runtime.model import apply_rope, rope_cos_sin
 from dspark.runtime.sampling import SamplingBatch, SamplingParams
@@ -258,9 +258,10 @@ class DSparkDrafter(SlotDrafter):
         return torch.cat(out)
 
     # --- drafting ---
-    def _backbone(self, slots: list[int], anchors: torch.Tensor) -> torch.Tensor:
-        """The trained block of G inputs per slot over its cached context -> h [R, γ, d]. A
-        pending extend's context rows go through each layer's projections with the block's."""
+    def _backbone(self, slots: list[int], anchors: torch.Tensor, width: int) -> torch.Tensor:
+        """The trained block of G inputs per slot over its cached context -> h [R, width, d] at
+        the first `width` ≤ γ drafted positions. A pending extend's context rows go through each
+        layer's projections with the block's."""
         kv = self._kv
         kv.check(slots)
         ctx = self._take_pending()  # lengths advanced: the block starts after the kept rows
@@ -295,11 +296,11 @@ class DSparkDrafter(SlotDrafter):
                 q, k, v = (t[0, n:].view(r, g, *t.shape[2:]) for t in (q, k, v))
             kv.write(i, slot_rows, pos, k, v)
             keys, vals = kv.read(i, slot_t, first, rows)
-            # the last layer's outputs are read at the γ drafted positions only: positions ≥ γ
-            # enter it as keys and values, so its queries, o_proj and MLP run on γ rows, not G
-            # (every row's output is unchanged: attention rows are independent; the fused q
-            # projection runs on all G rows, which costs no extra read of its weights)
-            nq = self.gamma if i == last else g
+            # the last layer's outputs are read at the `width` drafted positions only: positions
+            # ≥ width enter it as keys and values, so its queries, o_proj and MLP run on width
+            # rows, not G (every row's output is unchanged: attention rows are independent; the
+            # fused q projection runs on all G rows, which costs no extra read of its weights)
+            nq = width if i == last else g
             x = x[:, :nq]
             q = layer.q_norm(q[:, :nq].reshape(r, nq, layer.n_heads, layer.head_dim))
             q = apply_rope(q, cos[:, :nq], sin[:, :nq])
@@ -316,12 +317,13 @@ class DSparkDrafter(SlotDrafter):
 
     def _head(self, h: torch.Tensor, base: torch.Tensor, x0: torch.Tensor,
               choose) -> tuple[torch.Tensor, torch.Tensor]:
-        """The sequential head left to right: x_k = choose(k, U_k + B_k(x_{k−1})) -> tokens [R, γ];
-        then the confidence logits of all positions at once (z_k reads h_k and x_{k−1})."""
+        """The sequential head left to right: x_k = choose(k, U_k + B_k(x_{k−1})) -> tokens [R, w]
+        (h [R, w, d]); then the confidence logits of all positions at once (z_k reads h_k and
+        x_{k−1})."""
         head = self.model.head
-        tokens = torch.empty(h.shape[0], self.gamma, dtype=torch.int64, device=h.device)
+        tokens = torch.empty(h.shape[0], h.shape[1], dtype=torch.int64, device=h.device)
         x_prev, state = x0, None
-        for k in range(self.gamma):
+        for k in range(h.shape[1]):
             feats, state = head.step(x_prev, h[:, k], state)
             bias = None if feats is None or self._w2_head is None else self._w2_head(feats)
             logits = base[:, k] if bias is None else base[:, k] + bias
@@ -329,7 +331,7 @@ class DSparkDrafter(SlotDrafter):
         return tokens, self._confidence(h, x0, tokens)
 
     def _confidence(self, h: torch.Tensor, x0: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
-        """Confidence logits [R, γ] of a drafted block: z_k reads h_k and x_{k−1} (x_0 the anchor)."""
+        """Confidence logits [R, w] of a drafted block: z_k reads h_k and x_{k−1} (x_0 the anchor)."""
         prev = torch.cat([x0[:, None], tokens[:, :-1]], dim=1)
         return self.model.conf(h, self.model.head.token_features(prev)).float()
 
@@ -341,7 +343,7 @@ class DSparkDrafter(SlotDrafter):
         products in each sum; the loop stays in draft-vocabulary indices until the end."""
         idx = (base[:, 0] + self._w2_head(self.model.head.W1(x0))).max(-1).indices  # type: ignore[misc]
         picks = [idx]
-        for k in range(1, self.gamma):
+        for k in range(1, h.shape[1]):
             idx = (base[:, k] + self._bigram[idx]).max(-1).indices  # type: ignore[index]
             picks.append(idx)
         tokens = self._token_ids(torch.stack(picks, dim=1))
@@ -350,9 +352,13 @@ class DSparkDrafter(SlotDrafter):
     @torch.inference_mode()
     def propose(self, slots: list[int], anchors: torch.Tensor, params: list[SamplingParams],
                 uniforms: torch.Tensor) -> DraftBlock:
+        """The first w = uniforms.shape[1] ≤ γ tokens of the block (the same tokens and
+        confidences as the full block's first w: the last layer's queries are independent rows
+        and the head runs left to right). A narrow block skips the unread positions' queries,
+        MLP, LM head and head steps; the block's keys still span all G inputs."""
         anchors = anchors.to(self.device, torch.int64)
-        h = self._backbone(slots, anchors)
-        base = self._lm_head(self.model.norm(h))  # [R, γ, K]: the step's one big GEMM
+        h = self._backbone(slots, anchors, block_width(uniforms, self.gamma))
+        base = self._lm_head(self.model.norm(h))  # [R, w, K]: the step's one big GEMM
         greedy = [p.greedy for p in params]
         if all(greedy):
             if self._bigram is not None:
@@ -379,10 +385,10 @@ class DSparkDrafter(SlotDrafter):
     @torch.inference_mode()
     def score(self, slots: list[int], anchors: torch.Tensor,
               tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Teacher-forced: the logits [R, γ, V] and confidence logits [R, γ] the drafter would
-        use at each position if it had drafted `tokens` [R, γ] (tests, analysis)."""
+        """Teacher-forced: the logits [R, w, V] and confidence logits [R, w] the drafter would
+        use at each position if it had drafted `tokens` [R, w ≤ γ] (tests, analysis)."""
         anchors, tokens = anchors.to(self.device, torch.int64), tokens.to(self.device, torch.int64)
-        h = self._backbone(slots, anchors)
+        h = self._backbone(slots, anchors, tokens.shape[1])
         base = self._lm_head(self.model.norm(h))
         out: list[torch.Tensor] = []
 

@@ -28,7 +28,7 @@ from dspark.runtime.drafter.files import (
     read_sts_shifts,
     shared_weights,
 )
-from dspark.runtime.interfaces import DraftBlock
+from dspark.runtime.interfaces import DraftBlock, block_width
 from dspark.runtime.model import RMSNorm, apply_rope, rope_cos_sin
 from dspark.runtime.sampling import SamplingBatch, SamplingParams
 
@@ -210,7 +210,7 @@ class EagleDrafter(SlotDrafter):
     @torch.inference_mode()
     def propose(self, slots: list[int], anchors: torch.Tensor, params: list[SamplingParams],
                 uniforms: torch.Tensor) -> DraftBlock:
-        m, cfg, gamma, r = self.model, self.config, self.gamma, len(slots)
+        m, cfg, gamma, r = self.model, self.config, block_width(uniforms, self.gamma), len(slots)
         anchors = anchors.to(self.device, torch.int64)
         h = torch.stack([self._commit(s, int(a)) for s, a in zip(slots, anchors.tolist())])  # [R, d]
         like = torch.zeros(1, cfg.num_kv_heads, cfg.head_dim, device=self.device, dtype=h.dtype)

@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 
 from dspark.runtime.drafter.ngram import NGramDrafter
-from dspark.runtime.interfaces import DraftBlock
+from dspark.runtime.interfaces import DraftBlock, block_width
 from dspark.runtime.sampling import SamplingParams
 
 
@@ -64,7 +64,7 @@ class HybridDrafter:
 
     def propose(self, slots: list[int], anchors: torch.Tensor, params: list[SamplingParams],
                 uniforms: torch.Tensor) -> DraftBlock:
-        dev, g = anchors.device, self.gamma
+        dev, g = anchors.device, block_width(uniforms, self.gamma)
         matches = self.ngram.lookups(slots, anchors.tolist())
         use = [k >= self.min_match for _, k in matches]
         tokens = torch.empty(len(slots), g, dtype=torch.int64, device=dev)
@@ -74,13 +74,13 @@ class HybridDrafter:
             idx = torch.tensor(rest, device=dev)
             block = self.neural.propose([slots[i] for i in rest], anchors[idx], [params[i] for i in rest],
                                         uniforms[idx.to(uniforms.device)])
-            tokens[idx] = block.tokens
-            conf[idx] = block.conf_logits.float()
+            tokens[idx] = block.tokens[:, :g]
+            conf[idx] = block.conf_logits[:, :g].float()
         looked = [i for i, u in enumerate(use) if u]
         if looked:
             idx = torch.tensor(looked, device=dev)
-            tokens[idx] = torch.tensor([matches[i][0] for i in looked], dtype=torch.int64, device=dev)
-            logits = {k: self._lookup_logits(k) for k in {matches[i][1] for i in looked}}  # once per k
+            tokens[idx] = torch.tensor([matches[i][0][:g] for i in looked], dtype=torch.int64, device=dev)
+            logits = {k: self._lookup_logits(k)[:g] for k in {matches[i][1] for i in looked}}  # once per k
             conf[idx] = torch.stack([logits[matches[i][1]] for i in looked]).to(dev)
         for s, (row, _), u in zip(slots, matches, use, strict=True):
             self.lookup_rows[s] = row if u else None

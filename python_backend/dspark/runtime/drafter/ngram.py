@@ -25,7 +25,7 @@ import math
 
 import torch
 
-from dspark.runtime.interfaces import DraftBlock
+from dspark.runtime.interfaces import DraftBlock, block_width
 from dspark.runtime.sampling import SamplingParams
 
 
@@ -107,10 +107,11 @@ class NGramDrafter:
 
     def propose(self, slots: list[int], anchors: torch.Tensor, params: list[SamplingParams],
                 uniforms: torch.Tensor) -> DraftBlock:
+        w = block_width(uniforms, self.gamma)
         rows = self.lookups(slots, anchors.tolist())
-        tokens = torch.tensor([t for t, _ in rows], dtype=torch.int64).reshape(len(rows), self.gamma)
-        logits = {k: self.confidence_logits(k) for k in {k for _, k in rows}}
-        conf = torch.stack([logits[k] for _, k in rows]) if rows else torch.zeros(0, self.gamma)
+        tokens = torch.tensor([t[:w] for t, _ in rows], dtype=torch.int64).reshape(len(rows), w)
+        logits = {k: self.confidence_logits(k)[:w] for k in {k for _, k in rows}}
+        conf = torch.stack([logits[k] for _, k in rows]) if rows else torch.zeros(0, w)
         return DraftBlock(tokens.to(anchors.device), conf.to(anchors.device))
 
     def draft_probs(self, slots: list[int], lengths: torch.Tensor) -> None:
