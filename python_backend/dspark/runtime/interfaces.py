@@ -96,7 +96,7 @@ class DrafterLike(Protocol):
         slots: list[int],  # R
         anchors: torch.Tensor,  # [R] i64, last emitted token of each request (not yet in target KV)
         params: list[SamplingParams],  # R, the request's temperature / top-k / top-p (greedy: argmax)
-        uniforms: torch.Tensor,  # [R, γ] f32 in [0, 1): the inverse-CDF draw of each sampled position
+        uniforms: torch.Tensor,  # [R, w ≤ γ] f32 in [0, 1): the inverse-CDF draw of each sampled position
     ) -> DraftBlock:
         """Draft w = uniforms.shape[1] tokens per request, 1 ≤ w ≤ γ (`block_width`): the first w
         of the block it would draft at γ. The engine asks for fewer when the step cannot verify
