@@ -266,8 +266,32 @@ def test_prepacked_linear_pads_rows_to_few_buckets_and_keeps_each_row():
     for dtype, tol in ((torch.float32, 1e-5), (torch.bfloat16, 0.0)):
         w, b = torch.randn(48, 32, dtype=dtype), torch.randn(48, dtype=dtype)
         linear = serving_linear(w, b)
-        for m in (1, 17, 70, 300):
+        for m in (1, 2, 17, 70, 300):
             x = torch.randn(m, 32, dtype=dtype)
             y = linear(x)
             assert y.shape == (m, 48)
             torch.testing.assert_close(y, torch.nn.functional.linear(x, w, b), atol=tol, rtol=tol)
+
+
+def test_bf16_min_rows_pads_only_where_measured(monkeypatch):
+    """bf16 matmuls of 1-2 rows run as 3 on AVX512-BF16 CPUs without AMX (measured faster
+    there), nowhere else unless DSPARK_BF16_MIN_ROWS says so; a padded call keeps every row."""
+    from dspark.runtime.linear import bf16_min_rows, serving_linear
+
+    monkeypatch.delenv("DSPARK_BF16_MIN_ROWS", raising=False)
+    assert bf16_min_rows({"avx2", "avx512f", "avx512_bf16"}) == 3
+    assert bf16_min_rows({"avx512_bf16", "amx_bf16", "amx_tile"}) == 1
+    assert bf16_min_rows(set()) == 1
+    monkeypatch.setenv("DSPARK_BF16_MIN_ROWS", "5")
+    assert bf16_min_rows(set()) == 5
+    monkeypatch.setenv("DSPARK_BF16_MIN_ROWS", "0")
+    with pytest.raises(ValueError, match="DSPARK_BF16_MIN_ROWS"):
+        bf16_min_rows(set())
+    torch.manual_seed(0)
+    w = torch.randn(40, 64, dtype=torch.bfloat16)
+    linear = serving_linear(w)
+    if hasattr(linear, "min_rows"):  # prepacked (oneDNN with bf16 here)
+        linear.min_rows = 4
+        x = torch.randn(1, 64, dtype=torch.bfloat16)
+        torch.testing.assert_close(linear(x), torch.nn.functional.linear(x, w), atol=0.0, rtol=0.0)
+        assert linear(x[:, None]).shape == (1, 1, 40)

@@ -6,6 +6,8 @@ Used by the target's fused layout (`dspark.runtime.model`) and the DSpark drafte
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
 from typing import Protocol
 
 import torch
@@ -40,17 +42,18 @@ class PackedLinear:
     1.4 ms instead of 3.3; fp32 16 rows 37 instead of 91. bf16 results are bit-identical to
     F.linear, fp32 within ~1e-6 (another summation order)."""
 
-    __slots__ = ("packed", "bias", "out_features")
+    __slots__ = ("packed", "bias", "out_features", "min_rows")
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
         self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), 1)  # batch-size hint
         self.bias = None if bias is None else bias.detach()
         self.out_features = weight.shape[0]
+        self.min_rows = bf16_min_rows() if weight.dtype == torch.bfloat16 else 1
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         x2d = x.reshape(-1, x.shape[-1])
         m = x2d.shape[0]
-        padded = row_bucket(m)
+        padded = max(row_bucket(m), self.min_rows)
         if padded != m:
             x2d = torch.cat([x2d, x2d.new_zeros(padded - m, x2d.shape[1])])
         y = torch.ops.mkldnn._linear_pointwise(x2d, self.packed, self.bias, "none", [], "")
@@ -69,6 +72,42 @@ def row_bucket(m: int) -> int:
         return -(-m // 8) * 8
     step = 1 << (m.bit_length() - 3)
     return -(-m // step) * step
+
+
+def cpu_flags(cpuinfo: Path = Path("/proc/cpuinfo")) -> set[str]:
+    """The CPU's feature flags from /proc/cpuinfo (empty where there is none)."""
+    try:
+        text = cpuinfo.read_text()
+    except OSError:
+        return set()
+    line = next((ln for ln in text.splitlines() if ln.startswith("flags")), "")
+    return set(line.partition(":")[2].split())
+
+
+_BF16_MIN_ROWS: int | None = None
+
+
+def bf16_min_rows(flags: set[str] | None = None) -> int:
+    """Fewest rows a bf16 prepacked matmul runs with (real rows first, zero rows after). oneDNN
+    picks its kernel by row count, and on an x86 CPU with AVX512-BF16 but no AMX its 1- and
+    2-row kernels are slower than its 3-row one: a SmolLM2 verify of 1 / 2 / 3 tokens took
+    34.7 / 38.3 / 33.4 ms and plain batch-1 decoding ran 7.5 % faster with 3 rows (AMD EPYC,
+    1 thread; README "Small matmuls"). So 3 there; 1 elsewhere (AMX CPUs were not measured;
+    fp32 is fastest at 1 row, so it never pads). `DSPARK_BF16_MIN_ROWS` overrides."""
+    global _BF16_MIN_ROWS
+    if flags is None and _BF16_MIN_ROWS is not None:
+        return _BF16_MIN_ROWS
+    env = os.environ.get("DSPARK_BF16_MIN_ROWS", "")
+    if env:
+        if not env.isdigit() or int(env) < 1:
+            raise ValueError(f"DSPARK_BF16_MIN_ROWS must be a positive integer, got {env!r}")
+        rows = int(env)
+    else:
+        f = cpu_flags() if flags is None else flags
+        rows = 3 if "avx512_bf16" in f and "amx_bf16" not in f else 1
+    if flags is None:
+        _BF16_MIN_ROWS = rows
+    return rows
 
 
 def serving_linear(weight: torch.Tensor, bias: torch.Tensor | None = None,
