@@ -276,6 +276,7 @@ def test_prepacked_linear_pads_rows_to_few_buckets_and_keeps_each_row():
 def test_bf16_min_rows_pads_only_where_measured(monkeypatch):
     """bf16 matmuls of 1-2 rows run as 3 on AVX512-BF16 CPUs without AMX (measured faster
     there), nowhere else unless DSPARK_BF16_MIN_ROWS says so; a padded call keeps every row."""
+    from dspark.runtime import linear as linear_module
     from dspark.runtime.linear import bf16_min_rows, serving_linear
 
     monkeypatch.delenv("DSPARK_BF16_MIN_ROWS", raising=False)
@@ -290,8 +291,27 @@ def test_bf16_min_rows_pads_only_where_measured(monkeypatch):
     torch.manual_seed(0)
     w = torch.randn(40, 64, dtype=torch.bfloat16)
     linear = serving_linear(w)
-    if hasattr(linear, "min_rows"):  # prepacked (oneDNN with bf16 here)
-        linear.min_rows = 4
+    monkeypatch.setattr(linear_module, "BF16_MIN_ROWS", 4)
+    if isinstance(linear, linear_module.PackedLinear):  # prepacked (oneDNN with bf16 here)
         x = torch.randn(1, 64, dtype=torch.bfloat16)
         torch.testing.assert_close(linear(x), torch.nn.functional.linear(x, w), atol=0.0, rtol=0.0)
         assert linear(x[:, None]).shape == (1, 1, 40)
+
+
+def test_bench_min_rows_smoke(tiny_ckpt, tmp_path):
+    """`dspark bench-min-rows` end to end on the tiny checkpoint in bf16: every candidate timed,
+    the paired ratio of the first candidate to itself is 1, and the CPU's default comes back."""
+    import json
+
+    from dspark.cli import main
+    from dspark.runtime import linear
+
+    before = linear.BF16_MIN_ROWS
+    out = tmp_path / "min_rows.json"
+    assert main(["bench-min-rows", "--model", str(tiny_ckpt), "--rows", "1,3", "--tokens", "1,2",
+                 "--context", "8", "--rounds", "1", "--prompts-per-round", "1", "--max-tokens", "4",
+                 "--repeats", "1", "--num-threads", "1", "--out", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert set(result["verify_ms"]) == {"1", "3"} and all(v > 0 for v in result["verify_ms"]["3"].values())
+    assert result["plain_speedup_vs_1_rows"]["1"] == 1.0 and result["plain_tokens_per_s"]["3"][0] > 0
+    assert linear.BF16_MIN_ROWS == before

@@ -42,18 +42,20 @@ class PackedLinear:
     1.4 ms instead of 3.3; fp32 16 rows 37 instead of 91. bf16 results are bit-identical to
     F.linear, fp32 within ~1e-6 (another summation order)."""
 
-    __slots__ = ("packed", "bias", "out_features", "min_rows")
+    __slots__ = ("packed", "bias", "out_features", "bf16")
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
         self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), 1)  # batch-size hint
         self.bias = None if bias is None else bias.detach()
         self.out_features = weight.shape[0]
-        self.min_rows = bf16_min_rows() if weight.dtype == torch.bfloat16 else 1
+        self.bf16 = weight.dtype == torch.bfloat16  # padded to BF16_MIN_ROWS rows
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         x2d = x.reshape(-1, x.shape[-1])
         m = x2d.shape[0]
-        padded = max(row_bucket(m), self.min_rows)
+        padded = row_bucket(m)
+        if self.bf16 and padded < BF16_MIN_ROWS:
+            padded = BF16_MIN_ROWS
         if padded != m:
             x2d = torch.cat([x2d, x2d.new_zeros(padded - m, x2d.shape[1])])
         y = torch.ops.mkldnn._linear_pointwise(x2d, self.packed, self.bias, "none", [], "")
@@ -84,19 +86,14 @@ def cpu_flags(cpuinfo: Path = Path("/proc/cpuinfo")) -> set[str]:
     return set(line.partition(":")[2].split())
 
 
-_BF16_MIN_ROWS: int | None = None
-
-
 def bf16_min_rows(flags: set[str] | None = None) -> int:
     """Fewest rows a bf16 prepacked matmul runs with (real rows first, zero rows after). oneDNN
     picks its kernel by row count, and on an x86 CPU with AVX512-BF16 but no AMX its 1- and
     2-row kernels are slower than its 3-row one: a SmolLM2 verify of 1 / 2 / 3 tokens took
     34.7 / 38.3 / 33.4 ms and plain batch-1 decoding ran 7.5 % faster with 3 rows (AMD EPYC,
     1 thread; README "Small matmuls"). So 3 there; 1 elsewhere (AMX CPUs were not measured;
-    fp32 is fastest at 1 row, so it never pads). `DSPARK_BF16_MIN_ROWS` overrides."""
-    global _BF16_MIN_ROWS
-    if flags is None and _BF16_MIN_ROWS is not None:
-        return _BF16_MIN_ROWS
+    fp32 is fastest at 1 row, so it never pads). `DSPARK_BF16_MIN_ROWS` overrides; `flags`
+    default to this CPU's."""
     env = os.environ.get("DSPARK_BF16_MIN_ROWS", "")
     if env:
         if not env.isdigit() or int(env) < 1:
@@ -105,9 +102,10 @@ def bf16_min_rows(flags: set[str] | None = None) -> int:
     else:
         f = cpu_flags() if flags is None else flags
         rows = 3 if "avx512_bf16" in f and "amx_bf16" not in f else 1
-    if flags is None:
-        _BF16_MIN_ROWS = rows
     return rows
+
+
+BF16_MIN_ROWS = bf16_min_rows()  # read by every bf16 PackedLinear call (`dspark bench-min-rows` sets it)
 
 
 def serving_linear(weight: torch.Tensor, bias: torch.Tensor | None = None,
