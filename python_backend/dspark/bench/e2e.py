@@ -42,6 +42,7 @@ from tqdm import tqdm
 from dspark import paths, wiring
 from dspark.bench import cpu_name
 from dspark.bench.same_text import SameTextTarget
+from dspark.runtime import linear
 from dspark.runtime.sampling import SamplingParams
 from dspark.runtime.scheduler import Policy
 from dspark.runtime.sps import DraftCost
@@ -746,6 +747,7 @@ def main(args: argparse.Namespace) -> int:
                    "same_text": main_build.same_text is not None,
                    "reference_text": "plain decoding, each prompt alone (batch 1)",
                    "cpu": cpu_name(), "threads": torch.get_num_threads(),
+                   "bf16_min_rows": linear.BF16_MIN_ROWS,
                    "torch": torch.__version__, "load_avg_1min": _load_avg()},
     }
     result["goals"] = goals(result)
