@@ -274,13 +274,13 @@ def test_prepacked_linear_pads_rows_to_few_buckets_and_keeps_each_row():
 
 
 def test_bf16_min_rows_pads_only_where_measured(monkeypatch):
-    """bf16 matmuls of 1-2 rows run as 3 on AVX512-BF16 CPUs without AMX (measured faster
+    """bf16 matmuls of 1-4 rows run as 5 on AVX512-BF16 CPUs without AMX (measured faster
     there), nowhere else unless DSPARK_BF16_MIN_ROWS says so; a padded call keeps every row."""
     from dspark.runtime import linear as linear_module
     from dspark.runtime.linear import bf16_min_rows, serving_linear
 
     monkeypatch.delenv("DSPARK_BF16_MIN_ROWS", raising=False)
-    assert bf16_min_rows({"avx2", "avx512f", "avx512_bf16"}) == 3
+    assert bf16_min_rows({"avx2", "avx512f", "avx512_bf16"}) == 5
     assert bf16_min_rows({"avx512_bf16", "amx_bf16", "amx_tile"}) == 1
     assert bf16_min_rows(set()) == 1
     monkeypatch.setenv("DSPARK_BF16_MIN_ROWS", "5")

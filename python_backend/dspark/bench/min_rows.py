@@ -5,8 +5,9 @@ slower than its 3-row one, so `dspark.runtime.linear` runs bf16 matmuls of fewer
 `BF16_MIN_ROWS` (zero rows appended; every real row keeps its value). This bench measures the
 choice on the model's target at batch 1, for each candidate minimum: one verify of B = 1..8
 tokens on a cached context, and plain decoding's tokens/s on held-out prompts (our engine, no
-drafter). Candidates run interleaved in rounds, each round on its own prompts, so machine noise
-hits them alike; ratios are paired per round. Writes results/min_rows_<model>.json.
+drafter). Candidates run interleaved in rounds, each round on its own prompts and starting one
+candidate later than the round before (drift over a round hits every candidate alike); ratios
+are paired per round. Writes results/min_rows_<model>.json.
 """
 
 from __future__ import annotations
@@ -81,7 +82,7 @@ def main(args: argparse.Namespace) -> int:
     try:
         for rnd in tqdm(range(args.rounds), desc="bench-min-rows", unit="round"):
             mine = prompts[rnd * args.prompts_per_round:(rnd + 1) * args.prompts_per_round]
-            for r in rows:
+            for r in rows[rnd % len(rows):] + rows[:rnd % len(rows)]:  # each round starts one later
                 linear.BF16_MIN_ROWS = r
                 for b in sizes:
                     verify[r][b].append(verify_ms(target, b, args.context, args.repeats))

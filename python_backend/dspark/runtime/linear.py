@@ -89,11 +89,12 @@ def cpu_flags(cpuinfo: Path = Path("/proc/cpuinfo")) -> set[str]:
 def bf16_min_rows(flags: set[str] | None = None) -> int:
     """Fewest rows a bf16 prepacked matmul runs with (real rows first, zero rows after). oneDNN
     picks its kernel by row count, and on an x86 CPU with AVX512-BF16 but no AMX its 1- and
-    2-row kernels are slower than its 3-row one: a SmolLM2 verify of 1 / 2 / 3 tokens took
-    34.7 / 38.3 / 33.4 ms and plain batch-1 decoding ran 7.5 % faster with 3 rows (AMD EPYC,
-    1 thread; README "Small matmuls"). So 3 there; 1 elsewhere (AMX CPUs were not measured;
-    fp32 is fastest at 1 row, so it never pads). `DSPARK_BF16_MIN_ROWS` overrides; `flags`
-    default to this CPU's."""
+    2-row kernels are slower than its 5-row one: on SmolLM2 (AMD EPYC, 1 thread) a verify of
+    1 / 2 tokens took 32.7 / 35.9 ms as they are and 31.1 / 32.0 ms as 5 rows, and plain batch-1
+    decoding ran 1.03x as fast (median of 5 paired rounds; `dspark bench-min-rows` ->
+    results/min_rows_smollm2.json, README "Small matmuls"). So 5 there; 1 elsewhere (AMX CPUs
+    were not measured; fp32 is fastest at 1 row, so it never pads). `DSPARK_BF16_MIN_ROWS`
+    overrides; `flags` default to this CPU's."""
     env = os.environ.get("DSPARK_BF16_MIN_ROWS", "")
     if env:
         if not env.isdigit() or int(env) < 1:
@@ -101,7 +102,7 @@ def bf16_min_rows(flags: set[str] | None = None) -> int:
         rows = int(env)
     else:
         f = cpu_flags() if flags is None else flags
-        rows = 3 if "avx512_bf16" in f and "amx_bf16" not in f else 1
+        rows = 5 if "avx512_bf16" in f and "amx_bf16" not in f else 1
     return rows
 
 
