@@ -1,13 +1,13 @@
 """`dspark bench-min-rows`: what padding small bf16 matmuls to a few rows does on this CPU.
 
 oneDNN picks its matmul kernel by row count, and on some CPUs its 1- and 2-row kernels are
-slower than its 3-row one, so `dspark.runtime.linear` runs bf16 matmuls of fewer rows as
-`BF16_MIN_ROWS` (zero rows appended; every real row keeps its value). This bench measures the
-choice on the model's target at batch 1, for each candidate minimum: one verify of B = 1..8
-tokens on a cached context, and plain decoding's tokens/s on held-out prompts (our engine, no
-drafter). Candidates run interleaved in rounds, each round on its own prompts and starting one
-candidate later than the round before (drift over a round hits every candidate alike); ratios
-are paired per round. Writes results/min_rows_<model>.json.
+slower than those for a few rows more, so `dspark.runtime.linear` runs bf16 matmuls of fewer
+rows than `BF16_MIN_ROWS` padded to it (zero rows appended; every real row keeps its value).
+This bench measures the choice on the model's target at batch 1, for each candidate minimum:
+one verify of B = 1..8 tokens on a cached context, and plain decoding's tokens/s on held-out
+prompts (our engine, no drafter). Candidates run interleaved in rounds, each round on its own
+prompts and starting one candidate later than the round before (drift over a round hits every
+candidate alike); ratios are paired per round. Writes results/min_rows_<model>.json.
 """
 
 from __future__ import annotations
@@ -54,7 +54,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--context", type=int, default=300, help="cached tokens before a timed verify")
     p.add_argument("--prompts-per-round", type=int, default=2)
     p.add_argument("--max-tokens", type=int, default=128)
-    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--rounds", type=int, default=5, help="one per candidate: each leads one round")
     p.add_argument("--repeats", type=int, default=5, help="verifies per size and round")
     p.add_argument("--out", default=None, help="default: results/min_rows_<model>.json")
 
