@@ -5,6 +5,8 @@ from __future__ import annotations
 import platform
 from pathlib import Path
 
+from dspark.runtime.linear import cpu_flags
+
 # the instruction sets that decide what a bf16 / fp32 CPU matmul costs (the SmolLM2 profile
 # took 1.3-2.5x as long on an AMD EPYC without AMX as on the AMX machines: README)
 MATMUL_FLAGS = ("amx_bf16", "avx512_bf16", "avx512f", "avx2")
@@ -23,6 +25,6 @@ def cpu_name(cpuinfo: Path = Path("/proc/cpuinfo")) -> str:
     pairs = (line.split(":", 1) for line in text.splitlines() if ":" in line)
     fields = {k.strip(): v.strip() for k, v in pairs}
     name = fields.get("model name") or platform.processor() or "unknown CPU"
-    flags = set(fields.get("flags", "").split())
+    flags = cpu_flags(cpuinfo)
     present = " ".join(f for f in MATMUL_FLAGS if f in flags)
     return f"{name} ({machine}: {present})" if present else f"{name} ({machine})"
