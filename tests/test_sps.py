@@ -204,3 +204,40 @@ def test_quantized_weights_read_their_own_table_else_the_models(tmp_path, monkey
     assert wiring.load_sps(spec).steps_per_second == [150.0, 60.0]
     assert wiring.load_sps(wiring.Spec(model="smollm2", dtype="bf16", device="cpu")).steps_per_second == [
         100.0, 50.0]
+
+
+def test_auto_reads_the_table_profiled_on_this_kind_of_cpu(tmp_path, monkeypatch):
+    """Step costs by rows belong to a CPU kind (`linear.cpu_kind`): `--sps auto` reads
+    `sps_<model>_cpu_<kind>.json` when one was profiled on this kind of CPU, else the shipped
+    (AMX) table; a quantized dtype's own kind table first, then its shipped one, then the
+    unquantized weights' (kind first). `dspark profile-sps` writes the kind's table."""
+    from dspark import wiring
+    from dspark.runtime.linear import cpu_kind
+
+    assert cpu_kind({"avx512_bf16", "amx_bf16"}) == "amx"
+    assert cpu_kind({"avx512f", "avx512_bf16"}) == "avx512bf16"
+    assert cpu_kind({"avx2"}) == cpu_kind(set()) == ""
+    shipped = tmp_path / "sps_m_cpu.json"
+    monkeypatch.setitem(wiring.SPS_TABLES, "smollm2", shipped)
+    amd = tmp_path / "sps_m_cpu_avx512bf16.json"
+    assert wiring.sps_table_path("smollm2", "bf16", "avx512bf16") == amd
+    q4_amd = tmp_path / "sps_m_q4_1_cpu_avx512bf16.json"
+    assert wiring.sps_table_path("smollm2", "q4_1", "avx512bf16") == q4_amd
+    for kind in ("amx", ""):  # the shipped tables' kind, and a CPU of neither kind
+        assert wiring.sps_table_path("smollm2", "bf16", kind) == shipped
+    assert wiring.auto_sps_path("smollm2", "bf16", "avx512bf16") is None  # nothing profiled
+    SPSTable([1, 8], [100.0, 50.0], device="cpu").save(shipped)
+    SPSTable([1, 8], [90.0, 70.0], device="cpu").save(amd)
+    for dtype in ("bf16", "q4_1"):  # no q4_1 table: the unquantized kind table before the shipped one
+        assert wiring.auto_sps_path("smollm2", dtype, "avx512bf16") == amd
+        for kind in ("amx", ""):
+            assert wiring.auto_sps_path("smollm2", dtype, kind) == shipped
+    q4 = tmp_path / "sps_m_q4_1_cpu.json"
+    SPSTable([1, 8], [150.0, 60.0], device="cpu").save(q4)
+    assert wiring.auto_sps_path("smollm2", "q4_1", "avx512bf16") == q4  # the dtype matters more
+    monkeypatch.setattr("dspark.runtime.linear.cpu_flags", lambda *a: {"avx512f", "avx512_bf16"})
+    assert wiring.load_sps(wiring.Spec(model="smollm2", dtype="bf16", device="cpu")).steps_per_second == [
+        90.0, 70.0]
+    monkeypatch.setattr("dspark.runtime.linear.cpu_flags", lambda *a: {"amx_bf16"})
+    assert wiring.load_sps(wiring.Spec(model="smollm2", dtype="bf16", device="cpu")).steps_per_second == [
+        100.0, 50.0]

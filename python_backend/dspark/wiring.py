@@ -30,7 +30,9 @@ MODEL_ALIASES: dict[str, Path] = {"smollm2": paths.SMOLLM2, "demo": paths.DEMO_T
 # Trained drafters shipped per model (folder names under these are drafter names).
 DRAFTER_DIRS: dict[str, Path] = {"smollm2": paths.SMOLLM2_DRAFTERS, "demo": paths.DEMO_DRAFTERS}
 DEFAULT_DRAFTER = "dspark-markov"
-# Profiled steps-per-second tables per model on the CPU (`dspark profile-sps`).
+# Profiled steps-per-second tables per model on the CPU (`dspark profile-sps`), from the team's
+# AMX machines; a table profiled on another kind of CPU sits beside it (`sps_table_path`).
+SHIPPED_CPU_KIND = "amx"
 SPS_TABLES: dict[str, Path] = {"smollm2": paths.RESULTS / "sps_smollm2_cpu.json",
                                "demo": paths.RESULTS / "sps_cpu.json"}
 DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16,
@@ -238,21 +240,42 @@ def load_sps(spec: Spec, device: torch.device | None = None):
         if not Path(spec.sps).is_file():
             raise FileNotFoundError(f"setting 'sps': no SPS table at {spec.sps} (or use auto / gpu_shaped)")
         return SPSTable.load(spec.sps)
-    if (device or torch_device(spec)).type == "cpu":
-        for table in (sps_table_path(spec.model_key, spec.dtype), sps_table_path(spec.model_key)):
-            if table is not None and table.is_file():
-                return SPSTable.load(table)
-    return SPSTable.gpu_shaped()
+    on_cpu = (device or torch_device(spec)).type == "cpu"
+    table = auto_sps_path(spec.model_key, spec.dtype) if on_cpu else None
+    return SPSTable.load(table) if table is not None else SPSTable.gpu_shaped()
 
 
-def sps_table_path(model_key: str | None, dtype: str = "auto") -> Path | None:
+def auto_sps_path(model_key: str | None, dtype: str = "auto", kind: str | None = None) -> Path | None:
+    """The CPU table `--sps auto` reads: the first that exists of this dtype's table profiled on
+    this kind of CPU, this dtype's shipped one, then the same two for the unquantized weights
+    (`sps_table_path`). A step's cost by rows belongs to a CPU kind: on an AMD EPYC without AMX
+    a batch-1 verify costs the same for 1 to 6 tokens and +17 % at 8, where the shipped AMX
+    table has +44 %, so that table priced the drafts of every batch-1 step too dear there
+    (README "Step costs by CPU kind"). `kind` defaults to this CPU's (`linear.cpu_kind`)."""
+    from dspark.runtime.linear import cpu_kind
+
+    kind = cpu_kind() if kind is None else kind
+    for table in (sps_table_path(model_key, dtype, kind), sps_table_path(model_key, dtype),
+                  sps_table_path(model_key, "auto", kind), sps_table_path(model_key)):
+        if table is not None and table.is_file():
+            return table
+    return None
+
+
+def sps_table_path(model_key: str | None, dtype: str = "auto", kind: str = "") -> Path | None:
     """The profiled CPU table of this model in this dtype: SPS_TABLES' own for the bf16 / fp32
     weights, `sps_<model>_<dtype>_cpu.json` beside it for quantized weights (int4 costs grow
-    with a verify's rows far faster than bf16's, so a bf16 table would misprice every step)."""
+    with a verify's rows far faster than bf16's, so a bf16 table would misprice every step);
+    for a CPU `kind` other than the shipped tables' (`linear.cpu_kind`, e.g. "avx512bf16"),
+    `..._cpu_<kind>.json` (what `dspark profile-sps` writes on such a CPU)."""
     table = SPS_TABLES.get(model_key or "")
-    if table is None or dtype not in QUANTIZED:
-        return table
-    return table.with_name(table.name.replace("_cpu.json", f"_{dtype}_cpu.json"))
+    if table is None:
+        return None
+    if dtype in QUANTIZED:
+        table = table.with_name(table.name.replace("_cpu.json", f"_{dtype}_cpu.json"))
+    if kind and kind != SHIPPED_CPU_KIND:
+        table = table.with_name(table.name.replace("_cpu.json", f"_cpu_{kind}.json"))
+    return table
 
 
 def build_engine(spec: Spec, target=None, drafter: Any = "spec"):

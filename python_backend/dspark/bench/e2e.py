@@ -549,10 +549,9 @@ def bench_build(spec: wiring.Spec, target, drafter, prompts: list[list[int]], ar
     text: each prompt's text and length as plain decoding stops it at eos, decoded alone (an
     untimed pass), then generated exactly by every policy (T = 1 cells stop at eos: their
     lengths are random anyway), and decoded as that same text unless --free-text (`SameTextTarget`)."""
-    shipped = wiring.sps_table_path(spec.model_key, spec.dtype)
+    shipped = wiring.auto_sps_path(spec.model_key, spec.dtype)
     sps_source = spec.sps
-    if spec.sps == "profile" or (spec.sps == "auto" and target.device.type == "cpu"
-                                 and not (shipped is not None and shipped.is_file())):
+    if spec.sps == "profile" or (spec.sps == "auto" and target.device.type == "cpu" and shipped is None):
         name = "_".join(filter(None, [spec.model_key or "model", wiring.QUANTIZED.get(spec.dtype)]))
         sps_path = paths.MODELS / ".cache" / f"sps_bench_{name}.json"
         quick_sps(target, sorted(set(sizes))).save(sps_path)

@@ -9,8 +9,9 @@ processes only ever add time). Writes
 sps.json (device, model, batch_tokens, steps_per_second) and a PNG of SPS and step time.
 `--model` (default smollm2, in `--dtype auto`: what the server runs) goes through
 `dspark.wiring` like every entry point; the default output is the table wiring looks up for
-that model (results/sps_smollm2_cpu.json, results/sps_cpu.json for demo; with `--dtype q4_1`
-results/sps_smollm2_q4_1_cpu.json, `wiring.sps_table_path`). `--model random`
+that model on this kind of CPU (results/sps_smollm2_cpu.json, results/sps_cpu.json for demo;
+with `--dtype q4_1` results/sps_smollm2_q4_1_cpu.json; on a CPU with AVX512-BF16 but no AMX
+the `_cpu_avx512bf16.json` beside each: `wiring.sps_table_path`). `--model random`
 profiles a random Qwen3 checkpoint (hidden 384, 6 layers, vocab 8192) created under /tmp.
 """
 
@@ -31,6 +32,7 @@ from dspark import paths, wiring
 from dspark.bench import cpu_name
 from dspark.paths import RESULTS
 from dspark.runtime.batch import RaggedBatch
+from dspark.runtime.linear import cpu_kind
 from dspark.runtime.sps import SPSTable
 
 DEFAULT_SIZES = [1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256, 320, 384, 448, 512]
@@ -206,7 +208,7 @@ def main(args: argparse.Namespace) -> int:
     if target == "random":
         target = make_random_target()
     key = wiring.Spec(model=str(target)).model_key
-    out = args.out or str(wiring.sps_table_path(key, args.dtype) or RESULTS / "sps_cpu.json")
+    out = args.out or str(wiring.sps_table_path(key, args.dtype, cpu_kind()) or RESULTS / "sps_cpu.json")
     sizes = _ints(args.sizes)
     try:
         table = profile(target, sizes, args.context, args.tokens_per_request, args.repeats, args.warmup,

@@ -86,6 +86,17 @@ def cpu_flags(cpuinfo: Path = Path("/proc/cpuinfo")) -> set[str]:
     return set(line.partition(":")[2].split())
 
 
+def cpu_kind(flags: set[str] | None = None) -> str:
+    """The kind of bf16 matmul kernels this CPU runs, which sets what a step costs by its rows:
+    "amx" (AMX-BF16: the team's Intel machines, where the shipped SPS tables were profiled),
+    "avx512bf16" (AVX512-BF16 without AMX, e.g. AMD EPYC) or "" (neither). `flags` default to
+    this CPU's."""
+    f = cpu_flags() if flags is None else flags
+    if "amx_bf16" in f:
+        return "amx"
+    return "avx512bf16" if "avx512_bf16" in f else ""
+
+
 def bf16_min_rows(flags: set[str] | None = None) -> int:
     """Fewest rows a bf16 prepacked matmul runs with (real rows first, zero rows after). oneDNN
     picks its kernel by row count, and on an x86 CPU with AVX512-BF16 but no AMX its 1- and
@@ -101,8 +112,7 @@ def bf16_min_rows(flags: set[str] | None = None) -> int:
             raise ValueError(f"DSPARK_BF16_MIN_ROWS must be a positive integer, got {env!r}")
         rows = int(env)
     else:
-        f = cpu_flags() if flags is None else flags
-        rows = 5 if "avx512_bf16" in f and "amx_bf16" not in f else 1
+        rows = 5 if cpu_kind(flags) == "avx512bf16" else 1
     return rows
 
 
