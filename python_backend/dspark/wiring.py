@@ -251,7 +251,7 @@ def auto_sps_path(model_key: str | None, dtype: str = "auto", kind: str | None =
     (`sps_table_path`). A step's cost by rows belongs to a CPU kind: on an AMD EPYC without AMX
     a batch-1 verify costs the same for 1 to 6 tokens and +17 % at 8, where the shipped AMX
     table has +44 %, so that table priced the drafts of every batch-1 step too dear there
-    (README "Step costs by CPU kind"). `kind` defaults to this CPU's (`linear.cpu_kind`)."""
+    (README, "The SPS table the scheduler uses"). `kind` defaults to this CPU's (`linear.cpu_kind`)."""
     from dspark.runtime.linear import cpu_kind
 
     kind = cpu_kind() if kind is None else kind
