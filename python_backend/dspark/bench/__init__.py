@@ -7,8 +7,8 @@ from pathlib import Path
 
 from dspark.runtime.linear import cpu_flags
 
-# the instruction sets that decide what a bf16 / fp32 CPU matmul costs (the SmolLM2 profile
-# took 1.3-2.5x as long on an AMD EPYC without AMX as on the AMX machines: README)
+# the instruction sets that decide what a bf16 / fp32 CPU matmul costs (each kind of CPU gets
+# its own SPS table, `linear.cpu_kind`: README, "The SPS table the scheduler uses")
 MATMUL_FLAGS = ("amx_bf16", "avx512_bf16", "avx512f", "avx2")
 
 

@@ -544,20 +544,21 @@ class BenchBuild:
 
 def bench_build(spec: wiring.Spec, target, drafter, prompts: list[list[int]], args: argparse.Namespace,
                 sizes: list[int], greedy: SamplingParams) -> BenchBuild:
-    """The scheduler's table (the shipped one for this model and dtype; else profiled now over
-    `sizes`, since the scheduler must see THIS machine's step cost) and plain decoding's greedy
+    """The scheduler's table (what `--sps auto` reads for this model, dtype and kind of CPU; else
+    profiled now over `sizes`, since the scheduler must see THIS machine's step cost) and plain
+    decoding's greedy
     text: each prompt's text and length as plain decoding stops it at eos, decoded alone (an
     untimed pass), then generated exactly by every policy (T = 1 cells stop at eos: their
     lengths are random anyway), and decoded as that same text unless --free-text (`SameTextTarget`)."""
-    shipped = wiring.auto_sps_path(spec.model_key, spec.dtype)
+    table = wiring.auto_sps_path(spec.model_key, spec.dtype)
     sps_source = spec.sps
-    if spec.sps == "profile" or (spec.sps == "auto" and target.device.type == "cpu" and shipped is None):
+    if spec.sps == "profile" or (spec.sps == "auto" and target.device.type == "cpu" and table is None):
         name = "_".join(filter(None, [spec.model_key or "model", wiring.QUANTIZED.get(spec.dtype)]))
         sps_path = paths.MODELS / ".cache" / f"sps_bench_{name}.json"
         quick_sps(target, sorted(set(sizes))).save(sps_path)
         spec, sps_source = replace(spec, sps=str(sps_path)), "profiled now by dspark bench"
-    elif spec.sps == "auto" and shipped is not None:
-        sps_source = f"auto: {paths.relative(shipped)}"
+    elif spec.sps == "auto" and table is not None:
+        sps_source = f"auto: {paths.relative(table)}"
     plain_engine = wiring.build_engine(replace(spec, policy="plain"), target=target, drafter=None)
     # one prompt at a time: the text a request decoded alone gets (a batched pass can part from
     # it at a bf16 near-tie, and the batch-1 cells would then decode a text no batch-1 run gets)
