@@ -216,13 +216,16 @@ def test_auto_reads_the_table_profiled_on_this_kind_of_cpu(tmp_path, monkeypatch
 
     assert cpu_kind({"avx512_bf16", "amx_bf16"}) == "amx"
     assert cpu_kind({"avx512f", "avx512_bf16"}) == "avx512bf16"
-    assert cpu_kind({"avx2"}) == cpu_kind(set()) == ""
+    assert cpu_kind({"avx512f", "avx2"}) == "avx512"
+    assert cpu_kind({"avx2", "fma"}) == "avx2"
+    assert cpu_kind(set()) == ""
     shipped = tmp_path / "sps_m_cpu.json"
     monkeypatch.setitem(wiring.SPS_TABLES, "smollm2", shipped)
     amd = tmp_path / "sps_m_cpu_avx512bf16.json"
     assert wiring.sps_table_path("smollm2", "bf16", "avx512bf16") == amd
     q4_amd = tmp_path / "sps_m_q4_1_cpu_avx512bf16.json"
     assert wiring.sps_table_path("smollm2", "q4_1", "avx512bf16") == q4_amd
+    assert wiring.sps_table_path("smollm2", "auto", "avx2") == tmp_path / "sps_m_cpu_avx2.json"
     for kind in ("amx", ""):  # the shipped tables' kind, and a CPU of neither kind
         assert wiring.sps_table_path("smollm2", "bf16", kind) == shipped
     assert wiring.auto_sps_path("smollm2", "bf16", "avx512bf16") is None  # nothing profiled
@@ -241,3 +244,19 @@ def test_auto_reads_the_table_profiled_on_this_kind_of_cpu(tmp_path, monkeypatch
     monkeypatch.setattr("dspark.runtime.linear.cpu_flags", lambda *a: {"amx_bf16"})
     assert wiring.load_sps(wiring.Spec(model="smollm2", dtype="bf16", device="cpu")).steps_per_second == [
         100.0, 50.0]
+
+
+def test_auto_dtype_is_fp32_where_the_cpu_has_no_bf16_matmul(monkeypatch):
+    """`dtype=auto` serves SmolLM2 in bf16 only where oneDNN has bf16 kernels: on an AVX2-only
+    CPU bf16 falls back to reference kernels (a verify of 8 tokens 2.3x fp32's), so fp32 there."""
+    import torch
+
+    from dspark import wiring
+
+    spec = wiring.Spec(model="smollm2", device="cpu")
+    monkeypatch.setattr("dspark.runtime.linear.has_bf16_matmul", lambda: True)
+    assert wiring.torch_dtype(spec) == torch.bfloat16
+    monkeypatch.setattr("dspark.runtime.linear.has_bf16_matmul", lambda: False)
+    assert wiring.torch_dtype(spec) == torch.float32
+    assert wiring.torch_dtype(wiring.Spec(model="smollm2", device="cpu", dtype="bf16")) == torch.bfloat16
+    assert wiring.torch_dtype(wiring.Spec(model="demo", device="cpu")) == torch.float32

@@ -44,6 +44,7 @@ QUANTIZED = {"q4_1": "q4_1"}
 # What `dtype=auto` means on the CPU, per model: the faster one on this CPU for the shapes
 # served, measured by `dspark bench-target` (results/target_bench_smollm2.json); the demo target
 # keeps fp32 (its step is op-overhead bound, and its drafters were trained on fp32 features).
+# bf16 only where oneDNN has bf16 kernels (`linear.has_bf16_matmul`); fp32 on an AVX2-only CPU.
 AUTO_CPU_DTYPE: dict[str, torch.dtype] = {"smollm2": torch.bfloat16, "demo": torch.float32}
 # What `num_threads=0` means on the CPU: 1 intra-op thread. Measured (`dspark bench-target`,
 # results/target_bench_smollm2.json "decode_tokens_per_s_by_threads"): 2 OpenMP threads gain
@@ -137,7 +138,10 @@ def torch_dtype(spec: Spec, device: torch.device | None = None) -> torch.dtype:
     if spec.dtype == "auto":
         if device.type == "cuda":
             return torch.bfloat16
-        return AUTO_CPU_DTYPE.get(spec.model_key or "", torch.float32)
+        from dspark.runtime.linear import has_bf16_matmul
+
+        dtype = AUTO_CPU_DTYPE.get(spec.model_key or "", torch.float32)
+        return dtype if dtype != torch.bfloat16 or has_bf16_matmul() else torch.float32
     if spec.dtype not in DTYPES:
         raise ValueError(f"setting 'dtype': unknown {spec.dtype!r} (auto, {', '.join(DTYPES)})")
     return DTYPES[spec.dtype]

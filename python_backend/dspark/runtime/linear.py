@@ -87,14 +87,25 @@ def cpu_flags(cpuinfo: Path = Path("/proc/cpuinfo")) -> set[str]:
 
 
 def cpu_kind(flags: set[str] | None = None) -> str:
-    """The kind of bf16 matmul kernels this CPU runs, which sets what a step costs by its rows:
+    """The kind of matmul kernels this CPU runs, which sets what a step costs by its rows:
     "amx" (AMX-BF16: the team's Intel machines, where the shipped SPS tables were profiled),
-    "avx512bf16" (AVX512-BF16 without AMX, e.g. AMD EPYC) or "" (neither). `flags` default to
-    this CPU's."""
+    "avx512bf16" (AVX512-BF16 without AMX, e.g. AMD EPYC), "avx512" (AVX512 without bf16
+    instructions), "avx2" (AVX2 only: oneDNN has no bf16 kernels, so `dtype=auto` serves fp32,
+    `has_bf16_matmul`) or "" (none of them). `flags` default to this CPU's."""
     f = cpu_flags() if flags is None else flags
-    if "amx_bf16" in f:
-        return "amx"
-    return "avx512bf16" if "avx512_bf16" in f else ""
+    for flag, kind in (("amx_bf16", "amx"), ("avx512_bf16", "avx512bf16"), ("avx512f", "avx512"),
+                       ("avx2", "avx2")):
+        if flag in f:
+            return kind
+    return ""
+
+
+def has_bf16_matmul() -> bool:
+    """Whether oneDNN runs bf16 matmuls natively on this CPU (AVX512 or AMX). Without it (an
+    AVX2-only CPU) bf16 falls back to slow reference kernels: on an AVX2 AMD EPYC (1 thread,
+    SmolLM2) a verify of 8 tokens took 231 ms in bf16 against 99 ms in fp32 and a 256-token
+    prefill 5.5 s against 0.8 s (`dspark bench-drafter --dtype bf16|fp32`)."""
+    return bool(torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
 
 def bf16_min_rows(flags: set[str] | None = None) -> int:
@@ -123,7 +134,7 @@ def serving_linear(weight: torch.Tensor, bias: torch.Tensor | None = None,
                    prepack: bool = True) -> Dense | PackedLinear:
     """The fastest projection for this weight: oneDNN-prepacked on CPU in fp32 / bf16, else Dense
     (also with prepack=False: torch.compile with freezing packs the weights itself)."""
+    packable_dtype = weight.dtype == torch.float32 or (weight.dtype == torch.bfloat16 and has_bf16_matmul())
     cpu_packable = (prepack and weight.device.type == "cpu" and torch.backends.mkldnn.is_available()
-                    and (weight.dtype == torch.float32 or (weight.dtype == torch.bfloat16
-                                                          and torch.ops.mkldnn._is_mkldnn_bf16_supported())))
+                    and packable_dtype)
     return PackedLinear(weight, bias) if cpu_packable else Dense(weight, bias)
