@@ -134,7 +134,7 @@ def serving_linear(weight: torch.Tensor, bias: torch.Tensor | None = None,
                    prepack: bool = True) -> Dense | PackedLinear:
     """The fastest projection for this weight: oneDNN-prepacked on CPU in fp32 / bf16, else Dense
     (also with prepack=False: torch.compile with freezing packs the weights itself)."""
-    packable_dtype = weight.dtype == torch.float32 or (weight.dtype == torch.bfloat16 and has_bf16_matmul())
-    cpu_packable = (prepack and weight.device.type == "cpu" and torch.backends.mkldnn.is_available()
-                    and packable_dtype)
+    cpu_packable = (prepack and weight.device.type == "cpu"
+                    and (weight.dtype == torch.float32 and torch.backends.mkldnn.is_available()
+                         or weight.dtype == torch.bfloat16 and has_bf16_matmul()))
     return PackedLinear(weight, bias) if cpu_packable else Dense(weight, bias)
