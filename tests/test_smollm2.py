@@ -124,7 +124,11 @@ def test_bf16_greedy_equals_transformers_bf16_or_diverges_at_a_measured_tie(smol
         gap = (z32[a] - z32[b]).abs().item()
         err = (z_ours - z32).abs().max().item() + (z_hf - z32).abs().max().item()
         report[name] = f"diverges at {p}: fp32 gap {gap:.4f} <= bf16 errors {err:.4f}"
-        assert z_ours[a] >= z_ours[b] and z_hf[b] >= z_hf[a]
+        # Each pick came from a cached decode, which rounds differently from this full forward
+        # (on CPUs without bf16 kernels the two can swap a near-tie), so each pick need only be
+        # within the measured bf16 errors of the full forward's best logit.
+        for z, pick in ((z_ours, a), (z_hf, b)):
+            assert (z.max() - z[pick]).item() <= err, f"{name}: pick {pick} is not near the top"
         assert gap <= err, f"{name}: divergence at {p} is no tie: fp32 gap {gap} > bf16 errors {err}"
     print(report)
 
