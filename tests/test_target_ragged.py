@@ -298,6 +298,34 @@ def test_bf16_min_rows_pads_only_where_measured(monkeypatch):
         assert linear(x[:, None]).shape == (1, 1, 40)
 
 
+def test_pack_rows_hint_only_where_measured(monkeypatch):
+    """fp32 weights on an AVX2-only CPU are packed for 8 rows (packed for 1, oneDNN runs 2+ rows
+    in a slow kernel there), everything else for 1 as before, unless DSPARK_PACK_ROWS_HINT says
+    so; whatever the hint, a packed weight gives every row what F.linear gives it."""
+    from dspark.runtime.linear import PackedLinear, pack_rows_hint
+
+    monkeypatch.delenv("DSPARK_PACK_ROWS_HINT", raising=False)
+    assert pack_rows_hint(torch.float32, {"avx2", "fma"}) == 8
+    assert pack_rows_hint(torch.bfloat16, {"avx2", "fma"}) == 1
+    assert pack_rows_hint(torch.float32, {"avx2", "avx512f", "avx512_bf16"}) == 1
+    assert pack_rows_hint(torch.float32, {"avx512_bf16", "amx_bf16", "amx_tile"}) == 1
+    monkeypatch.setenv("DSPARK_PACK_ROWS_HINT", "4")
+    assert pack_rows_hint(torch.bfloat16, set()) == 4
+    monkeypatch.setenv("DSPARK_PACK_ROWS_HINT", "eight")
+    with pytest.raises(ValueError, match="DSPARK_PACK_ROWS_HINT"):
+        pack_rows_hint(torch.float32, set())
+    if not torch.backends.mkldnn.is_available():
+        return
+    torch.manual_seed(0)
+    w, b = torch.randn(40, 64), torch.randn(40)
+    x = torch.randn(9, 64)
+    for hint in ("1", "8"):
+        monkeypatch.setenv("DSPARK_PACK_ROWS_HINT", hint)
+        linear = PackedLinear(w, b)
+        for m in (1, 2, 5, 9):
+            torch.testing.assert_close(linear(x[:m]), F.linear(x[:m], w, b), atol=1e-5, rtol=1e-5)
+
+
 def test_bench_min_rows_smoke(tiny_ckpt, tmp_path):
     """`dspark bench-min-rows` end to end on the tiny checkpoint in bf16: every candidate timed,
     the paired ratio of the first candidate to itself is 1, and the CPU's default comes back."""

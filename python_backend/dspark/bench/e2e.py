@@ -748,6 +748,7 @@ def main(args: argparse.Namespace) -> int:
                    "reference_text": "plain decoding, each prompt alone (batch 1)",
                    "cpu": cpu_name(), "threads": torch.get_num_threads(),
                    "bf16_min_rows": linear.BF16_MIN_ROWS,
+                   "pack_rows_hint": linear.pack_rows_hint(target.dtype),
                    "torch": torch.__version__, "load_avg_1min": _load_avg()},
     }
     result["goals"] = goals(result)

@@ -45,7 +45,7 @@ class PackedLinear:
     __slots__ = ("packed", "bias", "out_features", "bf16")
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
-        self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), 1)  # batch-size hint
+        self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), pack_rows_hint(weight.dtype))
         self.bias = None if bias is None else bias.detach()
         self.out_features = weight.shape[0]
         self.bf16 = weight.dtype == torch.bfloat16  # padded to BF16_MIN_ROWS rows
@@ -125,6 +125,23 @@ def bf16_min_rows(flags: set[str] | None = None) -> int:
     else:
         rows = 5 if cpu_kind(flags) == "avx512bf16" else 1
     return rows
+
+
+def pack_rows_hint(dtype: torch.dtype, flags: set[str] | None = None) -> int:
+    """Rows oneDNN is told to expect when it reorders a weight (its batch-size hint): the packed
+    layout it picks sets which kernel each row count runs. On an AVX2-only CPU, fp32 packed for 1
+    row runs 2+ rows in a slow kernel: one SmolLM2 verify (AVX2 AMD EPYC, 1 thread) of 1 / 2 / 8
+    tokens took 56.0 / 93.0 / 114.1 ms with hint 1 and 55.9 / 58.6 / 84.8 ms with hint 8
+    (`dspark profile-sps` with `DSPARK_PACK_ROWS_HINT=1` and without, README "The SPS table the
+    scheduler uses"; hints 2, 4 and 16 ran alike in a matmul-only timing).
+    So 8 for fp32 there; 1 elsewhere, where the shipped tables were profiled with it (other hints
+    not measured there). `DSPARK_PACK_ROWS_HINT` overrides; `flags` default to this CPU's."""
+    env = os.environ.get("DSPARK_PACK_ROWS_HINT", "")
+    if env:
+        if not env.isdigit() or int(env) < 1:
+            raise ValueError(f"DSPARK_PACK_ROWS_HINT must be a positive integer, got {env!r}")
+        return int(env)
+    return 8 if dtype == torch.float32 and cpu_kind(flags) == "avx2" else 1
 
 
 BF16_MIN_ROWS = bf16_min_rows()  # read by every bf16 PackedLinear call (`dspark bench-min-rows` sets it)
