@@ -141,9 +141,11 @@ def pack_rows_hint(dtype: torch.dtype, flags: set[str] | None = None) -> int:
         if not env.isdigit() or int(env) < 1:
             raise ValueError(f"DSPARK_PACK_ROWS_HINT must be a positive integer, got {env!r}")
         return int(env)
-    return 8 if dtype == torch.float32 and cpu_kind(flags) == "avx2" else 1
+    kind = THIS_CPU_KIND if flags is None else cpu_kind(flags)
+    return 8 if dtype == torch.float32 and kind == "avx2" else 1
 
 
+THIS_CPU_KIND = cpu_kind()  # read once: every PackedLinear asks (`pack_rows_hint`)
 BF16_MIN_ROWS = bf16_min_rows()  # read by every bf16 PackedLinear call (`dspark bench-min-rows` sets it)
 
 
