@@ -31,4 +31,7 @@ fi
 # into models/ (git-ignored). A second run only re-checks the folder's stamp.
 echo "[setup] default model (SmolLM2-135M-Instruct) in models/"
 .venv/bin/dspark fetch-model
+# fp32 matmuls on AVX2 CPUs can run our own small kernel (kernels/cpu/rows_gemm.c): built now,
+# else on first use; without a C compiler oneDNN runs them (docs/architecture.md "Serving matmuls").
+$VPY -c 'from dspark.runtime import cpu_gemm; print("[setup] rows_gemm kernel:", "built" if cpu_gemm.library() else "not built here (oneDNN serves fp32)")'
 echo "[setup] done: $($VPY -c 'import torch, dspark; print("torch", torch.__version__, "dspark", dspark.__version__)')"

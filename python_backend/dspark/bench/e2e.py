@@ -749,6 +749,7 @@ def main(args: argparse.Namespace) -> int:
                    "cpu": cpu_name(), "threads": torch.get_num_threads(),
                    "bf16_min_rows": linear.BF16_MIN_ROWS,
                    "pack_rows_hint": linear.pack_rows_hint(target.dtype),
+                   "cpu_gemm": linear.serving_cpu_gemm(target.dtype),
                    "torch": torch.__version__, "load_avg_1min": _load_avg()},
     }
     result["goals"] = goals(result)

@@ -32,7 +32,7 @@ from dspark import paths, wiring
 from dspark.bench import cpu_name
 from dspark.paths import RESULTS
 from dspark.runtime.batch import RaggedBatch
-from dspark.runtime.linear import cpu_kind, pack_rows_hint
+from dspark.runtime.linear import cpu_kind, pack_rows_hint, serving_cpu_gemm
 from dspark.runtime.sps import SPSTable
 
 DEFAULT_SIZES = [1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256, 320, 384, 448, 512]
@@ -138,7 +138,7 @@ def profile(target_path: str | Path, sizes: list[int], context: int = 256, token
                   "lengths": "mixed" if mixed else "uniform"}
     dtype_name = spec.dtype if spec.dtype != "auto" else str(engine.dtype).removeprefix("torch.")
     device = (f"cpu:{cpu_name()} threads={torch.get_num_threads()} dtype={dtype_name} "
-              f"pack_rows_hint={pack_rows_hint(engine.dtype)}")
+              f"pack_rows_hint={pack_rows_hint(engine.dtype)} cpu_gemm={serving_cpu_gemm(engine.dtype)}")
     return SPSTable(sizes, speeds, device=device, model=paths.relative(target_path), padded=False,
                     ragged=ragged)
 

@@ -1,5 +1,6 @@
 """Serving projections x [..., in] -> [..., out] over weights a model already owns: `Dense`
-(F.linear), `PackedLinear` (oneDNN-prepacked, CPU) and the rule that picks one
+(F.linear), `PackedLinear` (oneDNN-prepacked, CPU), `dspark.runtime.cpu_gemm.RowsLinear` (our fp32
+kernel for AVX2 CPUs) and the rule that picks one
 (`serving_linear`); `dspark.runtime.quant.Int4Linear` is the int4 drop-in with the same call.
 Used by the target's fused layout (`dspark.runtime.model`) and the DSpark drafter.
 """
@@ -13,10 +14,13 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 
+from dspark.runtime import cpu_gemm
+from dspark.runtime.cpu_gemm import RowsLinear
+
 
 class Projection(Protocol):
-    """A serving projection x [..., in] -> [..., out]: `Dense`, `PackedLinear` or
-    `dspark.runtime.quant.Int4Linear`."""
+    """A serving projection x [..., in] -> [..., out]: `Dense`, `PackedLinear`,
+    `dspark.runtime.cpu_gemm.RowsLinear` or `dspark.runtime.quant.Int4Linear`."""
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor: ...
 
@@ -149,11 +153,37 @@ THIS_CPU_KIND = cpu_kind()  # read once: every PackedLinear asks (`pack_rows_hin
 BF16_MIN_ROWS = bf16_min_rows()  # read by every bf16 PackedLinear call (`dspark bench-min-rows` sets it)
 
 
+def cpu_gemm_choice(dtype: torch.dtype, flags: set[str] | None = None) -> str:
+    """Which kernels run a CPU weight of `dtype`: "rows" (our `dspark.runtime.cpu_gemm` kernel) for
+    fp32 on an AVX2-only CPU, where oneDNN's fp32 kernels scale badly with rows: all 30 SmolLM2
+    layers' matmuls (AVX2 AMD EPYC, 1 thread) took 28 / 33 / 36 ms at 1 / 4 / 6 rows against
+    oneDNN's 40 / 54 / 57, and 786 against 914 ms at 256 rows (`dspark bench-cpu-gemm`, README
+    "Serving matmuls"); "onednn" elsewhere (not measured there). `DSPARK_CPU_GEMM=rows|onednn`
+    overrides; `flags` default to this CPU's."""
+    env = os.environ.get("DSPARK_CPU_GEMM", "")
+    if env:
+        if env not in ("rows", "onednn"):
+            raise ValueError(f"DSPARK_CPU_GEMM must be rows or onednn, got {env!r}")
+        return env if dtype == torch.float32 else "onednn"
+    kind = THIS_CPU_KIND if flags is None else cpu_kind(flags)
+    return "rows" if dtype == torch.float32 and kind == "avx2" else "onednn"
+
+
+def serving_cpu_gemm(dtype: torch.dtype) -> str:
+    """What runs this process's CPU weights of `dtype`: `cpu_gemm_choice`, or "onednn" where the
+    rows kernel cannot be built (recorded in SPS tables and bench results)."""
+    choice = cpu_gemm_choice(dtype)
+    return choice if choice != "rows" or cpu_gemm.library() is not None else "onednn"
+
+
 def serving_linear(weight: torch.Tensor, bias: torch.Tensor | None = None,
-                   prepack: bool = True) -> Dense | PackedLinear:
-    """The fastest projection for this weight: oneDNN-prepacked on CPU in fp32 / bf16, else Dense
-    (also with prepack=False: torch.compile with freezing packs the weights itself)."""
-    cpu_packable = (prepack and weight.device.type == "cpu"
-                    and (weight.dtype == torch.float32 and torch.backends.mkldnn.is_available()
-                         or weight.dtype == torch.bfloat16 and has_bf16_matmul()))
+                   prepack: bool = True) -> Projection:
+    """The fastest projection for this weight on CPU: our rows kernel (`cpu_gemm_choice`) or
+    oneDNN-prepacked in fp32 / bf16; else Dense (also with prepack=False: torch.compile with
+    freezing packs the weights itself)."""
+    on_cpu = prepack and weight.device.type == "cpu"
+    if on_cpu and serving_cpu_gemm(weight.dtype) == "rows":
+        return RowsLinear(weight, bias)
+    cpu_packable = (on_cpu and (weight.dtype == torch.float32 and torch.backends.mkldnn.is_available()
+                                or weight.dtype == torch.bfloat16 and has_bf16_matmul()))
     return PackedLinear(weight, bias) if cpu_packable else Dense(weight, bias)

@@ -31,7 +31,7 @@ import numpy as np
 import torch
 
 from dspark.runtime.config import ModelConfig, rope_inv_freq
-from dspark.runtime.linear import Dense, PackedLinear, serving_linear
+from dspark.runtime.linear import Projection, serving_linear
 from dspark.runtime.loader import load_config, ours_to_hf
 from dspark.runtime.model import Transformer
 
@@ -129,7 +129,7 @@ class Int4Linear:
         # kernel: w = (q - 8)·scale + zero; Q4_1: w = d·q + m  =>  scale = d, zero = m + 8d
         sz = torch.stack([d, m + 8 * d], dim=-1)  # [N, K/GROUP, 2] -> the kernel's [K/GROUP, N, 2]
         self.scales_and_zeros = sz.transpose(0, 1).contiguous().to(torch.bfloat16)
-        self.dense: Dense | PackedLinear | None = None
+        self.dense: Projection | None = None
         if dense:
             scale, zero = self.scales_and_zeros.float().transpose(0, 1).unbind(-1)  # [N, K/GROUP] each
             weight = (codes.float().view(n, k // GROUP, GROUP) - 8) * scale[..., None] + zero[..., None]

@@ -18,7 +18,7 @@ from dspark.runtime.drafter.dspark_model import DraftLayer, DSparkConfig, DSpark
 from dspark.runtime.drafter.files import read_calibration, read_draft_vocab, read_sts_shifts, shared_weights
 from dspark.runtime.drafter.heads import MarkovHead
 from dspark.runtime.interfaces import DraftBlock, block_width
-from dspark.runtime.linear import Dense, PackedLinear, serving_linear
+from dspark.runtime.linear import Dense, Projection, serving_linear
 from dspark.runtime.model import apply_rope, rope_cos_sin
 from dspark.runtime.sampling import SamplingBatch, SamplingParams
 
@@ -44,9 +44,9 @@ class DSparkDrafter(SlotDrafter):
         self.dtype = self.model.fc.weight.dtype
         self._kv = SlotKV(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, self.device, self.dtype)
         self._pending: list[tuple] = []  # (slots, tokens, taps, cu_seqlens, keep) of extends not yet run
-        self._packed: dict[nn.Module, PackedLinear | Dense] = {}
+        self._packed: dict[nn.Module, Projection] = {}
         # fused serving projections per layer: "qkv", "gate_up"
-        self._fused: dict[tuple[int, str], PackedLinear | Dense] = {}
+        self._fused: dict[tuple[int, str], Projection] = {}
         self._rope_cos = self._rope_sin = torch.empty(0)  # [positions, hd] tables (`_rope`)
         self.set_vocab(None)
 

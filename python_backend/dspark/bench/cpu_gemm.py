@@ -1,0 +1,127 @@
+"""`dspark bench-cpu-gemm`: our fp32 rows kernel (`dspark.runtime.cpu_gemm`) against oneDNN's
+prepacked matmul on this CPU, over one forward's projections of the model (every layer's
+qkv, o, gate_up and down, then the LM head; weights of those shapes) at the row counts a decode,
+a verify, a batched step and a prefill send. The two run interleaved in rounds, each round
+starting with the other (drift hits both alike); per row count the median over rounds. Also
+checks the kernel against F.linear and its batch invariance. Writes
+results/cpu_gemm_<model>_cpu_<kind>.json and a PNG beside it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from tqdm import tqdm
+
+from dspark import paths
+from dspark.bench import cpu_name
+from dspark.runtime import cpu_gemm, linear
+
+
+def projection_shapes(config: dict) -> list[tuple[str, int, int, int]]:
+    """(name, out, in, count) of one forward's projections, from a Llama-style config.json."""
+    d, layers = config["hidden_size"], config["num_hidden_layers"]
+    hd = config.get("head_dim") or d // config["num_attention_heads"]
+    kv = config.get("num_key_value_heads", config["num_attention_heads"])
+    inter = config["intermediate_size"]
+    return [("qkv", (config["num_attention_heads"] + 2 * kv) * hd, d, layers),
+            ("o", d, config["num_attention_heads"] * hd, layers), ("gate_up", 2 * inter, d, layers),
+            ("down", d, inter, layers), ("lm_head", config["vocab_size"], d, 1)]
+
+
+def forward_ms(fns: list[tuple[list, int]], rows: int) -> float:
+    """Wall time of one pass over every projection at `rows` rows."""
+    total = 0.0
+    for group, k in fns:
+        x = torch.randn(rows, k)
+        t0 = time.perf_counter()
+        for f in group:
+            f(x)
+        total += time.perf_counter() - t0
+    return 1e3 * total
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default="smollm2", help="smollm2 or a Hugging Face folder (its config.json)")
+    p.add_argument("--num-threads", type=int, default=1)
+    p.add_argument("--rows", default="1,2,3,4,5,6,7,8,12,16,32,64,128,256")
+    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--out", default=None, help="default: results/cpu_gemm_<model>_cpu_<kind>.json")
+
+
+def main(args: argparse.Namespace) -> int:
+    if cpu_gemm.library() is None:
+        raise SystemExit("dspark bench-cpu-gemm: the rows kernel cannot be built here "
+                         "(needs a C compiler and an x86 CPU with AVX2 + FMA)")
+    torch.set_num_threads(args.num_threads)
+    folder = paths.SMOLLM2 if args.model == "smollm2" else Path(args.model)
+    config = json.loads((folder / "config.json").read_text())
+    shapes = projection_shapes(config)
+    torch.manual_seed(0)
+    weights = [([torch.randn(n, k) * 0.02 for _ in range(count)], k) for _, n, k, count in shapes]
+    kernels = {"onednn": linear.PackedLinear, "rows": cpu_gemm.RowsLinear}
+    fns = {name: [([make(w) for w in group], k) for group, k in weights] for name, make in kernels.items()}
+    w, x = weights[3][0][0], torch.randn(13, weights[3][1])  # one down_proj: the longest K
+    rows_lin = cpu_gemm.RowsLinear(w)
+    max_err = float((rows_lin(x) - F.linear(x, w)).abs().max())
+    invariant = all(torch.equal(rows_lin(x[i:i + 1])[0], rows_lin(x)[i]) for i in range(13))
+    counts = [int(r) for r in args.rows.split(",") if r]
+    times: dict[str, dict[int, list[float]]] = {name: {r: [] for r in counts} for name in kernels}
+    for rnd in tqdm(range(args.rounds), desc="rounds", unit="round"):
+        order = list(kernels) if rnd % 2 == 0 else list(kernels)[::-1]
+        for r in counts:
+            for name in order:
+                forward_ms(fns[name], r)  # warm: oneDNN builds a primitive per row count
+                times[name][r].append(forward_ms(fns[name], r))
+    ms = {name: {str(r): statistics.median(v) for r, v in t.items()} for name, t in times.items()}
+    ratio = {str(r): statistics.median(a / b for a, b in zip(times["onednn"][r], times["rows"][r]))
+             for r in counts}
+    key = "smollm2" if args.model == "smollm2" else folder.name
+    result = {
+        "what": "one forward's projections (every layer's qkv, o, gate_up, down, then the LM head), "
+                "fp32 weights of the model's shapes, ms per pass; median over interleaved rounds",
+        "model": key, "shapes": [{"name": s[0], "out": s[1], "in": s[2], "count": s[3]} for s in shapes],
+        "cpu": cpu_name(), "cpu_kind": linear.THIS_CPU_KIND, "threads": args.num_threads,
+        "pack_rows_hint": linear.pack_rows_hint(torch.float32), "rounds": args.rounds,
+        "ms": ms, "onednn_over_rows_paired": ratio,
+        "rows_max_abs_err_vs_f_linear": max_err, "rows_batch_invariant": invariant,
+        "torch": torch.__version__,
+    }
+    kind = linear.THIS_CPU_KIND or "other"
+    out = Path(args.out) if args.out else paths.RESULTS / f"cpu_gemm_{key}_cpu_{kind}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=1) + "\n")
+    plot(result, out.with_suffix(".png"))
+    for r in counts:
+        print(f"{r:4d} rows: oneDNN {ms['onednn'][str(r)]:7.1f} ms  rows {ms['rows'][str(r)]:7.1f} ms  "
+              f"x{ratio[str(r)]:.2f}")
+    print(f"wrote {paths.relative(out)}")
+    return 0
+
+
+def plot(result: dict, path: Path) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for name, label in (("onednn", "oneDNN prepacked"), ("rows", "rows kernel (ours)")):
+        rows = [int(r) for r in result["ms"][name]]
+        ax.plot(rows, list(result["ms"][name].values()), marker="o", label=label)
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("rows (tokens in the step)")
+    ax.set_ylabel("ms per forward's projections")
+    ax.set_title(f"fp32 projections, {result['model']}, {result['cpu_kind']} CPU, "
+                 f"{result['threads']} thread(s)")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+

@@ -1,0 +1,116 @@
+"""`RowsLinear`: fp32 y = x Wᵀ + b on an x86 CPU with AVX2 + FMA through our own small C kernel
+(kernels/cpu/rows_gemm.c), built with the system's C compiler on first use and called through
+ctypes (which releases the GIL). oneDNN's fp32 kernels on an AVX2-only CPU scale badly with the
+few rows a decode or a verify sends; this one reads the weight once per call and applies it to 6
+rows at a time from cache, so a verify of 5 tokens costs little more than one decode step. Every
+output is one FMA chain over k in order, so a row's result is bit-identical whatever else is in
+the batch (a speculative verify and a plain decode compute the same logits). `F.linear` is the
+reference (tests/test_cpu_gemm.py).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import tempfile
+from functools import lru_cache
+from pathlib import Path
+
+import torch
+
+from dspark import paths
+
+SOURCE = paths.REPO_ROOT / "kernels" / "cpu" / "rows_gemm.c"
+FLAGS = ["-O3", "-mavx2", "-mfma", "-fopenmp", "-shared", "-fPIC"]
+log = logging.getLogger(__name__)
+
+
+def build_dir() -> Path:
+    """Where the built library is cached: `DSPARK_KERNEL_CACHE`, else beside the converted
+    models (git-ignored). The CPU image builds it into its own folder (build/docker/Dockerfile.cpu)."""
+    env = os.environ.get("DSPARK_KERNEL_CACHE")
+    return Path(env) if env else paths.MODELS / ".cache" / "cpu_gemm"
+
+
+def build() -> Path | None:
+    """The kernel library for this source and flags: cached, else compiled now with `CC` (else
+    cc / gcc); None (with a warning) where no compiler is found or the build fails."""
+    digest = hashlib.sha256(SOURCE.read_bytes() + " ".join(FLAGS).encode()).hexdigest()[:16]
+    out = build_dir() / f"rows_gemm-{digest}.so"
+    if out.exists():
+        return out
+    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if cc is None:
+        log.warning("no C compiler found: fp32 CPU matmuls use oneDNN (slower at a few rows)")
+        return None
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.NamedTemporaryFile(dir=out.parent, suffix=".so", delete=False) as tmp:
+        pass
+    try:
+        subprocess.run([cc, *FLAGS, "-o", tmp.name, str(SOURCE)], check=True, capture_output=True, text=True)
+        os.replace(tmp.name, out)  # atomic: parallel builders each write their own file
+    except (OSError, subprocess.CalledProcessError) as e:
+        Path(tmp.name).unlink(missing_ok=True)
+        log.warning("building %s failed (%s): fp32 CPU matmuls use oneDNN", SOURCE.name,
+                    getattr(e, "stderr", "") or e)
+        return None
+    return out
+
+
+@lru_cache(maxsize=1)
+def library() -> ctypes.CDLL | None:
+    """The kernel library (`build`), or None where it cannot run here (not x86 with AVX2 + FMA,
+    or no build): callers fall back to oneDNN."""
+    from dspark.runtime.linear import cpu_flags  # linear imports this module
+
+    if not {"avx2", "fma"} <= cpu_flags() or not SOURCE.exists():
+        return None
+    path = build()
+    if path is None:
+        return None
+    lib = ctypes.CDLL(str(path))
+    ptr, i64 = ctypes.c_void_p, ctypes.c_int64
+    lib.rows_gemm_pack.argtypes = [ptr, ptr, i64, i64]
+    lib.rows_gemm_pack.restype = None
+    lib.rows_gemm.argtypes = [ptr, ptr, ptr, ptr, i64, i64, i64, ctypes.c_int]
+    lib.rows_gemm.restype = None
+    return lib
+
+
+class RowsLinear:
+    """y = x Wᵀ + b (fp32, CPU) through `rows_gemm`: the weight is copied ONCE into [N/16, K, 16]
+    column blocks (the kernel's layout; the model's own weight is not kept). A plain object like
+    `dspark.runtime.linear.Dense`, with the same call."""
+
+    __slots__ = ("packed", "bias", "out_features", "in_features", "lib")
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
+        lib = library()
+        if lib is None:
+            raise RuntimeError("the rows_gemm kernel is not available on this machine")
+        if weight.dtype != torch.float32 or weight.device.type != "cpu" or weight.dim() != 2:
+            raise ValueError(f"RowsLinear takes a 2-D fp32 CPU weight, got {weight.dtype} "
+                             f"{tuple(weight.shape)} on {weight.device}")
+        n, k = weight.shape
+        w = weight.detach().contiguous()
+        self.packed = torch.empty(-(-n // 16), k, 16)
+        lib.rows_gemm_pack(w.data_ptr(), self.packed.data_ptr(), n, k)
+        self.bias = None if bias is None else bias.detach().to(torch.float32).contiguous()
+        self.out_features, self.in_features, self.lib = n, k, lib
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype != torch.float32 or x.shape[-1] != self.in_features:
+            raise ValueError(f"RowsLinear expects fp32 [..., {self.in_features}], got {x.dtype} "
+                             f"{tuple(x.shape)}")
+        x2d = x.reshape(-1, self.in_features).contiguous()
+        m = x2d.shape[0]
+        y = torch.empty(m, self.out_features)
+        if m:
+            bias = None if self.bias is None else self.bias.data_ptr()
+            self.lib.rows_gemm(x2d.data_ptr(), self.packed.data_ptr(), bias, y.data_ptr(), m,
+                               self.out_features, self.in_features, torch.get_num_threads())
+        return y.view(*x.shape[:-1], self.out_features)

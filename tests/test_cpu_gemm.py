@@ -1,0 +1,80 @@
+"""The fp32 rows kernel (kernels/cpu/rows_gemm.c via dspark.runtime.cpu_gemm) against F.linear,
+its batch invariance, and the rule that picks it (`linear.cpu_gemm_choice`)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from dspark.runtime import cpu_gemm, linear
+
+needs_kernel = pytest.mark.skipif(cpu_gemm.library() is None,
+                                  reason="no C compiler or no AVX2 + FMA on this machine")
+
+
+@needs_kernel
+@pytest.mark.parametrize("n,k", [(40, 64), (17, 33), (1, 5), (96, 576)])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 6, 7, 8, 9, 13])
+def test_rows_linear_equals_f_linear(n, k, rows):
+    """Every shape (N not a multiple of the 16-column block, K odd, rows not a multiple of the
+    6-row tile), with and without bias, leading dims kept."""
+    g = torch.Generator().manual_seed(n * 1000 + k * 10 + rows)
+    w, b = torch.randn(n, k, generator=g), torch.randn(n, generator=g)
+    x = torch.randn(rows, 2, k, generator=g)[:, 1]  # not contiguous: the kernel gets a copy
+    for bias in (None, b):
+        y = cpu_gemm.RowsLinear(w, bias)(x)
+        assert y.shape == (rows, n)
+        torch.testing.assert_close(y, F.linear(x, w, bias), atol=1e-4 * k ** 0.5, rtol=1e-5)
+    assert cpu_gemm.RowsLinear(w)(x[:, None]).shape == (rows, 1, n)
+    assert cpu_gemm.RowsLinear(w)(x[:0]).shape == (0, n)
+
+
+@needs_kernel
+def test_rows_linear_is_batch_invariant():
+    """A row's output is bit-identical alone and in any batch, and with more threads: what makes
+    a speculative verify compute exactly the logits plain decoding computes."""
+    torch.manual_seed(0)
+    w, x = torch.randn(200, 576), torch.randn(23, 576)
+    lin = cpu_gemm.RowsLinear(w)
+    full = lin(x)
+    for i in (0, 5, 6, 22):
+        assert torch.equal(lin(x[i:i + 1])[0], full[i])
+        assert torch.equal(lin(x[max(0, i - 3):i + 1])[-1], full[i])
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        assert torch.equal(lin(x), full)
+    finally:
+        torch.set_num_threads(threads)
+
+
+@needs_kernel
+def test_rows_linear_rejects_what_it_cannot_run():
+    lin = cpu_gemm.RowsLinear(torch.randn(8, 16))
+    with pytest.raises(ValueError, match="fp32"):
+        lin(torch.randn(2, 16, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match=r"\[\.\.\., 16\]"):
+        lin(torch.randn(2, 15))
+    with pytest.raises(ValueError, match="fp32 CPU weight"):
+        cpu_gemm.RowsLinear(torch.randn(8, 16, dtype=torch.bfloat16))
+
+
+def test_cpu_gemm_choice_only_where_measured(monkeypatch):
+    """fp32 on an AVX2-only CPU runs the rows kernel; bf16 and other CPUs keep oneDNN, unless
+    DSPARK_CPU_GEMM says so (fp32 only); serving_linear follows the choice."""
+    monkeypatch.delenv("DSPARK_CPU_GEMM", raising=False)
+    avx2, bf16_cpu = {"avx2", "fma"}, {"avx2", "fma", "avx512f", "avx512_bf16"}
+    assert linear.cpu_gemm_choice(torch.float32, avx2) == "rows"
+    assert linear.cpu_gemm_choice(torch.bfloat16, avx2) == "onednn"
+    assert linear.cpu_gemm_choice(torch.float32, bf16_cpu) == "onednn"
+    monkeypatch.setenv("DSPARK_CPU_GEMM", "rows")
+    assert linear.cpu_gemm_choice(torch.float32, bf16_cpu) == "rows"
+    assert linear.cpu_gemm_choice(torch.bfloat16, bf16_cpu) == "onednn"
+    if cpu_gemm.library() is not None:
+        assert isinstance(linear.serving_linear(torch.randn(8, 16)), cpu_gemm.RowsLinear)
+    monkeypatch.setenv("DSPARK_CPU_GEMM", "onednn")
+    assert not isinstance(linear.serving_linear(torch.randn(8, 16)), cpu_gemm.RowsLinear)
+    monkeypatch.setenv("DSPARK_CPU_GEMM", "blas")
+    with pytest.raises(ValueError, match="DSPARK_CPU_GEMM"):
+        linear.cpu_gemm_choice(torch.float32, avx2)
