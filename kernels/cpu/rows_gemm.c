@@ -3,7 +3,8 @@
  * `F.linear` is its reference).
  *
  * The weight is read once per call, as [N/16, K, 16] column blocks (`rows_gemm_pack`), and
- * each block is applied to the rows 6 at a time from L1/L2. Every output is ONE fp32 FMA chain
+ * each block is applied to the rows 4 to 6 at a time from L1/L2 (1 to 3 rows run 4 or 2 blocks
+ * at once: enough FMA chains to hide the FMA latency). Every output is ONE fp32 FMA chain
  * over k = 0..K-1 in order, whatever the row count or the row's place in the batch: a row's
  * result is bit-identical in a 1-row decode and in an 8-row verify (batch invariance). */
 #include <immintrin.h>

@@ -156,10 +156,10 @@ BF16_MIN_ROWS = bf16_min_rows()  # read by every bf16 PackedLinear call (`dspark
 def cpu_gemm_choice(dtype: torch.dtype, flags: set[str] | None = None) -> str:
     """Which kernels run a CPU weight of `dtype`: "rows" (our `dspark.runtime.cpu_gemm` kernel) for
     fp32 on an AVX2-only CPU, where oneDNN's fp32 kernels scale badly with rows: all 30 SmolLM2
-    layers' matmuls (AVX2 AMD EPYC, 1 thread) took 28 / 33 / 36 ms at 1 / 4 / 6 rows against
-    oneDNN's 40 / 54 / 57, and 786 against 914 ms at 256 rows (`dspark bench-cpu-gemm`, README
-    "Serving matmuls"); "onednn" elsewhere (not measured there). `DSPARK_CPU_GEMM=rows|onednn`
-    overrides; `flags` default to this CPU's."""
+    layers' matmuls and the LM head (AVX2 AMD EPYC, 1 thread) took 22.6 / 32.7 / 44.9 ms at 1 / 4 /
+    8 rows against oneDNN's 38.6 / 50.8 / 63.5, and 772.8 against 898.7 ms at 256 rows (`dspark
+    bench-cpu-gemm`, README "Serving matmuls"); "onednn" elsewhere (not measured there).
+    `DSPARK_CPU_GEMM=rows|onednn` overrides; `flags` default to this CPU's."""
     env = os.environ.get("DSPARK_CPU_GEMM", "")
     if env:
         if env not in ("rows", "onednn"):
