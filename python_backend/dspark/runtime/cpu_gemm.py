@@ -1,8 +1,8 @@
 """`RowsLinear`: fp32 y = x Wᵀ + b on an x86 CPU with AVX2 + FMA through our own small C kernel
 (kernels/cpu/rows_gemm.c), built with the system's C compiler on first use and called through
 ctypes (which releases the GIL). oneDNN's fp32 kernels on an AVX2-only CPU scale badly with the
-few rows a decode or a verify sends; this one reads the weight once per call and applies it to 6
-rows at a time from cache, so a verify of 5 tokens costs little more than one decode step. Every
+few rows a decode or a verify sends; this one reads the weight once per call and applies it to 4
+to 6 rows at a time from cache (README "Serving matmuls" has its times by row count). Every
 output is one FMA chain over k in order, so a row's result is bit-identical whatever else is in
 the batch (a speculative verify and a plain decode compute the same logits). `F.linear` is the
 reference (tests/test_cpu_gemm.py).

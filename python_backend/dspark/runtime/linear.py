@@ -15,7 +15,6 @@ import torch
 import torch.nn.functional as F
 
 from dspark.runtime import cpu_gemm
-from dspark.runtime.cpu_gemm import RowsLinear
 
 
 class Projection(Protocol):
@@ -183,7 +182,7 @@ def serving_linear(weight: torch.Tensor, bias: torch.Tensor | None = None,
     freezing packs the weights itself)."""
     on_cpu = prepack and weight.device.type == "cpu"
     if on_cpu and serving_cpu_gemm(weight.dtype) == "rows":
-        return RowsLinear(weight, bias)
+        return cpu_gemm.RowsLinear(weight, bias)
     cpu_packable = (on_cpu and (weight.dtype == torch.float32 and torch.backends.mkldnn.is_available()
                                 or weight.dtype == torch.bfloat16 and has_bf16_matmul()))
     return PackedLinear(weight, bias) if cpu_packable else Dense(weight, bias)
