@@ -50,6 +50,21 @@ def test_rows_linear_is_batch_invariant():
 
 
 @needs_kernel
+def test_prefetch_changes_no_bit():
+    """The kernel's prefetch of the next column blocks moves data, not arithmetic: the build
+    without it (`bench-cpu-gemm --without-prefetch`) gives bit-identical outputs, over rows that
+    take every tile shape and enough blocks that the prefetch runs to the last one."""
+    variant = cpu_gemm.library(("ROWS_GEMM_NO_PREFETCH",))
+    assert variant is not None and variant is not cpu_gemm.library()
+    torch.manual_seed(1)
+    w, b = torch.randn(150, 96), torch.randn(150)
+    with_prefetch, without = cpu_gemm.RowsLinear(w, b), cpu_gemm.RowsLinear(w, b, lib=variant)
+    for rows in (1, 2, 3, 4, 5, 6, 8, 13):
+        x = torch.randn(rows, 96)
+        assert torch.equal(with_prefetch(x), without(x))
+
+
+@needs_kernel
 def test_rows_linear_rejects_what_it_cannot_run():
     lin = cpu_gemm.RowsLinear(torch.randn(8, 16))
     with pytest.raises(ValueError, match="fp32"):
@@ -78,3 +93,31 @@ def test_cpu_gemm_choice_only_where_measured(monkeypatch):
     monkeypatch.setenv("DSPARK_CPU_GEMM", "blas")
     with pytest.raises(ValueError, match="DSPARK_CPU_GEMM"):
         linear.cpu_gemm_choice(torch.float32, avx2)
+
+
+@needs_kernel
+def test_bench_cpu_gemm_writes_every_kernel(tmp_path):
+    """`dspark bench-cpu-gemm --without-prefetch` on a tiny Llama-shaped config: all three kernels
+    timed at every row count, their paired ratios, and the exactness checks, in the JSON."""
+    import argparse
+    import json
+
+    from dspark.bench import cpu_gemm as bench
+
+    folder = tmp_path / "tiny"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps({
+        "hidden_size": 64, "num_hidden_layers": 1, "num_attention_heads": 4, "num_key_value_heads": 2,
+        "intermediate_size": 96, "vocab_size": 100}))
+    p = argparse.ArgumentParser()
+    bench.add_arguments(p)
+    out = tmp_path / "cg.json"
+    args = p.parse_args(["--model", str(folder), "--rows", "1,4", "--rounds", "2", "--without-prefetch",
+                         "--out", str(out)])
+    assert bench.main(args) == 0
+    result = json.loads(out.read_text())
+    assert set(result["ms"]) == {"onednn", "rows", "rows_no_prefetch"}
+    assert all(set(v) == {"1", "4"} and min(v.values()) > 0 for v in result["ms"].values())
+    assert set(result["rows_no_prefetch_over_rows_paired"]) == {"1", "4"}
+    assert result["rows_no_prefetch_bit_identical"] and result["rows_batch_invariant"]
+    assert out.with_suffix(".png").is_file()

@@ -1,9 +1,11 @@
 """`dspark bench-cpu-gemm`: our fp32 rows kernel (`dspark.runtime.cpu_gemm`) against oneDNN's
 prepacked matmul on this CPU, over one forward's projections of the model (every layer's
 qkv, o, gate_up and down, then the LM head; weights of those shapes) at the row counts a decode,
-a verify, a batched step and a prefill send. The two run interleaved in rounds, each round
-starting with the other (drift hits both alike); per row count the median over rounds. Also
-checks the kernel against F.linear and its batch invariance. Writes
+a verify, a batched step and a prefill send. `--without-prefetch` adds a third: our kernel
+built without its prefetch of the next column blocks (what the prefetch buys). They run
+interleaved in rounds, each round starting with the next one (drift hits all alike); per row
+count the median over rounds. Also checks the kernel against F.linear, its batch invariance,
+and that the build without prefetch computes the same bits. Writes
 results/cpu_gemm_<model>_cpu_<kind>.json and a PNG beside it.
 """
 
@@ -13,6 +15,8 @@ import argparse
 import json
 import statistics
 import time
+from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -52,6 +56,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--num-threads", type=int, default=1)
     p.add_argument("--rows", default="1,2,3,4,5,6,7,8,12,16,32,64,128,256")
     p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--without-prefetch", action="store_true",
+                   help="also time the kernel built without its prefetch (-DROWS_GEMM_NO_PREFETCH)")
     p.add_argument("--out", default=None, help="default: results/cpu_gemm_<model>_cpu_<kind>.json")
 
 
@@ -65,7 +71,14 @@ def main(args: argparse.Namespace) -> int:
     shapes = projection_shapes(config)
     torch.manual_seed(0)
     weights = [([torch.randn(n, k) * 0.02 for _ in range(count)], k) for _, n, k, count in shapes]
-    kernels = {"onednn": linear.PackedLinear, "rows": cpu_gemm.RowsLinear}
+    kernels: dict[str, Callable[[torch.Tensor], object]] = {"onednn": linear.PackedLinear,
+                                                            "rows": cpu_gemm.RowsLinear}
+    variant = None
+    if args.without_prefetch:
+        variant = cpu_gemm.library(("ROWS_GEMM_NO_PREFETCH",))
+        if variant is None:
+            raise SystemExit("dspark bench-cpu-gemm: the kernel without prefetch failed to build")
+        kernels["rows_no_prefetch"] = partial(cpu_gemm.RowsLinear, lib=variant)
     fns = {name: [([make(w) for w in group], k) for group, k in weights] for name, make in kernels.items()}
     w, x = weights[3][0][0], torch.randn(13, weights[3][1])  # one down_proj: the longest K
     rows_lin = cpu_gemm.RowsLinear(w)
@@ -74,7 +87,8 @@ def main(args: argparse.Namespace) -> int:
     counts = [int(r) for r in args.rows.split(",") if r]
     times: dict[str, dict[int, list[float]]] = {name: {r: [] for r in counts} for name in kernels}
     for rnd in tqdm(range(args.rounds), desc="rounds", unit="round"):
-        order = list(kernels) if rnd % 2 == 0 else list(kernels)[::-1]
+        names = list(kernels)
+        order = names[rnd % len(names):] + names[:rnd % len(names)]
         for r in counts:
             for name in order:
                 forward_ms(fns[name], r)  # warm: oneDNN builds a primitive per row count
@@ -82,6 +96,13 @@ def main(args: argparse.Namespace) -> int:
     ms = {name: {str(r): statistics.median(v) for r, v in t.items()} for name, t in times.items()}
     ratio = {str(r): statistics.median(a / b for a, b in zip(times["onednn"][r], times["rows"][r]))
              for r in counts}
+    extra = {}
+    if args.without_prefetch:
+        extra["rows_no_prefetch_over_rows_paired"] = {
+            str(r): statistics.median(a / b for a, b in zip(times["rows_no_prefetch"][r], times["rows"][r]))
+            for r in counts}
+        variant_lin = cpu_gemm.RowsLinear(w, lib=variant)
+        extra["rows_no_prefetch_bit_identical"] = torch.equal(variant_lin(x), rows_lin(x))
     key = "smollm2" if args.model == "smollm2" else folder.name
     result = {
         "what": "one forward's projections (every layer's qkv, o, gate_up, down, then the LM head), "
@@ -90,7 +111,7 @@ def main(args: argparse.Namespace) -> int:
         "cpu": cpu_name(), "cpu_kind": linear.THIS_CPU_KIND, "threads": args.num_threads,
         "pack_rows_hint": linear.pack_rows_hint(torch.float32), "rounds": args.rounds,
         "ms": ms, "onednn_over_rows_paired": ratio,
-        "rows_max_abs_err_vs_f_linear": max_err, "rows_batch_invariant": invariant,
+        "rows_max_abs_err_vs_f_linear": max_err, "rows_batch_invariant": invariant, **extra,
         "torch": torch.__version__,
     }
     kind = linear.THIS_CPU_KIND or "other"
@@ -99,8 +120,12 @@ def main(args: argparse.Namespace) -> int:
     out.write_text(json.dumps(result, indent=1) + "\n")
     plot(result, out.with_suffix(".png"))
     for r in counts:
-        print(f"{r:4d} rows: oneDNN {ms['onednn'][str(r)]:7.1f} ms  rows {ms['rows'][str(r)]:7.1f} ms  "
-              f"x{ratio[str(r)]:.2f}")
+        line = (f"{r:4d} rows: oneDNN {ms['onednn'][str(r)]:7.1f} ms  rows {ms['rows'][str(r)]:7.1f} ms  "
+                f"x{ratio[str(r)]:.2f}")
+        if args.without_prefetch:
+            line += (f"  without prefetch {ms['rows_no_prefetch'][str(r)]:7.1f} ms  "
+                     f"x{extra['rows_no_prefetch_over_rows_paired'][str(r)]:.2f}")
+        print(line)
     print(f"wrote {paths.relative(out)}")
     return 0
 
@@ -111,7 +136,10 @@ def plot(result: dict, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(6, 4))
-    for name, label in (("onednn", "oneDNN prepacked"), ("rows", "rows kernel (ours)")):
+    for name, label in (("onednn", "oneDNN prepacked"), ("rows", "rows kernel (ours)"),
+                        ("rows_no_prefetch", "rows kernel without prefetch")):
+        if name not in result["ms"]:
+            continue
         rows = [int(r) for r in result["ms"][name]]
         ax.plot(rows, list(result["ms"][name].values()), marker="o", label=label)
     ax.set_xscale("log", base=2)

@@ -36,10 +36,12 @@ def build_dir() -> Path:
     return Path(env) if env else paths.MODELS / ".cache" / "cpu_gemm"
 
 
-def build() -> Path | None:
-    """The kernel library for this source and flags: cached, else compiled now with `CC` (else
-    cc / gcc); None (with a warning) where no compiler is found or the build fails."""
-    digest = hashlib.sha256(SOURCE.read_bytes() + " ".join(FLAGS).encode()).hexdigest()[:16]
+def build(defines: tuple[str, ...] = ()) -> Path | None:
+    """The kernel library for this source and flags (plus `-D` `defines`: a variant such as
+    ROWS_GEMM_NO_PREFETCH, for benchmarks): cached, else compiled now with `CC` (else cc / gcc);
+    None (with a warning) where no compiler is found or the build fails."""
+    flags = [*FLAGS, *(f"-D{d}" for d in defines)]
+    digest = hashlib.sha256(SOURCE.read_bytes() + " ".join(flags).encode()).hexdigest()[:16]
     out = build_dir() / f"rows_gemm-{digest}.so"
     if out.exists():
         return out
@@ -51,7 +53,7 @@ def build() -> Path | None:
     with tempfile.NamedTemporaryFile(dir=out.parent, suffix=".so", delete=False) as tmp:
         pass
     try:
-        subprocess.run([cc, *FLAGS, "-o", tmp.name, str(SOURCE)], check=True, capture_output=True, text=True)
+        subprocess.run([cc, *flags, "-o", tmp.name, str(SOURCE)], check=True, capture_output=True, text=True)
         os.replace(tmp.name, out)  # atomic: parallel builders each write their own file
     except (OSError, subprocess.CalledProcessError) as e:
         Path(tmp.name).unlink(missing_ok=True)
@@ -61,15 +63,15 @@ def build() -> Path | None:
     return out
 
 
-@lru_cache(maxsize=1)
-def library() -> ctypes.CDLL | None:
-    """The kernel library (`build`), or None where it cannot run here (not x86 with AVX2 + FMA,
-    or no build): callers fall back to oneDNN."""
+@lru_cache(maxsize=4)
+def library(defines: tuple[str, ...] = ()) -> ctypes.CDLL | None:
+    """The kernel library (`build`; `defines` picks a variant), or None where it cannot run here
+    (not x86 with AVX2 + FMA, or no build): callers fall back to oneDNN."""
     from dspark.runtime.linear import cpu_flags  # linear imports this module
 
     if not {"avx2", "fma"} <= cpu_flags() or not SOURCE.exists():
         return None
-    path = build()
+    path = build(defines)
     if path is None:
         return None
     lib = ctypes.CDLL(str(path))
@@ -84,12 +86,14 @@ def library() -> ctypes.CDLL | None:
 class RowsLinear:
     """y = x Wᵀ + b (fp32, CPU) through `rows_gemm`: the weight is copied ONCE into [N/16, K, 16]
     column blocks (the kernel's layout; the model's own weight is not kept). A plain object like
-    `dspark.runtime.linear.Dense`, with the same call."""
+    `dspark.runtime.linear.Dense`, with the same call. `lib` runs another build of the kernel
+    (`library(defines)`: benchmarks compare variants)."""
 
     __slots__ = ("packed", "bias", "out_features", "in_features", "lib")
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
-        lib = library()
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                 lib: ctypes.CDLL | None = None) -> None:
+        lib = lib if lib is not None else library()
         if lib is None:
             raise RuntimeError("the rows_gemm kernel is not available on this machine")
         if weight.dtype != torch.float32 or weight.device.type != "cpu" or weight.dim() != 2:
