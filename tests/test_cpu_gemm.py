@@ -3,10 +3,14 @@ its batch invariance, and the rule that picks it (`linear.cpu_gemm_choice`)."""
 
 from __future__ import annotations
 
+import argparse
+import json
+
 import pytest
 import torch
 import torch.nn.functional as F
 
+from dspark.bench import cpu_gemm as bench
 from dspark.runtime import cpu_gemm, linear
 
 needs_kernel = pytest.mark.skipif(cpu_gemm.library() is None,
@@ -99,11 +103,6 @@ def test_cpu_gemm_choice_only_where_measured(monkeypatch):
 def test_bench_cpu_gemm_writes_every_kernel(tmp_path):
     """`dspark bench-cpu-gemm --without-prefetch` on a tiny Llama-shaped config: all three kernels
     timed at every row count, their paired ratios, and the exactness checks, in the JSON."""
-    import argparse
-    import json
-
-    from dspark.bench import cpu_gemm as bench
-
     folder = tmp_path / "tiny"
     folder.mkdir()
     (folder / "config.json").write_text(json.dumps({

@@ -94,13 +94,16 @@ def main(args: argparse.Namespace) -> int:
                 forward_ms(fns[name], r)  # warm: oneDNN builds a primitive per row count
                 times[name][r].append(forward_ms(fns[name], r))
     ms = {name: {str(r): statistics.median(v) for r, v in t.items()} for name, t in times.items()}
-    ratio = {str(r): statistics.median(a / b for a, b in zip(times["onednn"][r], times["rows"][r]))
-             for r in counts}
+
+    def paired(slow: str, fast: str) -> dict[str, float]:
+        """Per row count, the median over rounds of `slow`'s time ÷ `fast`'s in the same round."""
+        return {str(r): statistics.median(a / b for a, b in zip(times[slow][r], times[fast][r]))
+                for r in counts}
+
+    ratio = paired("onednn", "rows")
     extra = {}
     if args.without_prefetch:
-        extra["rows_no_prefetch_over_rows_paired"] = {
-            str(r): statistics.median(a / b for a, b in zip(times["rows_no_prefetch"][r], times["rows"][r]))
-            for r in counts}
+        extra["rows_no_prefetch_over_rows_paired"] = paired("rows_no_prefetch", "rows")
         variant_lin = cpu_gemm.RowsLinear(w, lib=variant)
         extra["rows_no_prefetch_bit_identical"] = torch.equal(variant_lin(x), rows_lin(x))
     key = "smollm2" if args.model == "smollm2" else folder.name
