@@ -1,5 +1,6 @@
-"""The fp32 rows kernel (kernels/cpu/rows_gemm.c via dspark.runtime.cpu_gemm) against F.linear,
-its batch invariance, and the rule that picks it (`linear.cpu_gemm_choice`)."""
+"""The rows kernel (kernels/cpu/rows_gemm.c via dspark.runtime.cpu_gemm) against F.linear, its
+batch invariance, its bf16-weight entry against the fp32 one, and the rule that picks it
+(`linear.cpu_gemm_choice`)."""
 
 from __future__ import annotations
 
@@ -75,8 +76,45 @@ def test_rows_linear_rejects_what_it_cannot_run():
         lin(torch.randn(2, 16, dtype=torch.bfloat16))
     with pytest.raises(ValueError, match=r"\[\.\.\., 16\]"):
         lin(torch.randn(2, 15))
-    with pytest.raises(ValueError, match="fp32 CPU weight"):
-        cpu_gemm.RowsLinear(torch.randn(8, 16, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match="fp32 or bf16 CPU weight"):
+        cpu_gemm.RowsLinear(torch.randn(8, 16, dtype=torch.float16))
+
+
+@needs_kernel
+@pytest.mark.parametrize("n,k", [(40, 64), (17, 33), (150, 96)])
+def test_bf16_weight_computes_the_fp32_kernels_bits(n, k):
+    """A bf16 weight streams half the bytes and widens exactly in registers: every output is
+    bit-identical to the fp32 kernel over the same values widened to fp32 (so batch invariant
+    like it), at every tile shape, with and without bias, and close to F.linear."""
+    g = torch.Generator().manual_seed(n + k)
+    w, b = torch.randn(n, k, generator=g).bfloat16(), torch.randn(n, generator=g)
+    for bias in (None, b):
+        half, full = cpu_gemm.RowsLinear(w, bias), cpu_gemm.RowsLinear(w.float(), bias, narrow=False)
+        assert half.packed.element_size() == 2 and full.packed.element_size() == 4
+        assert cpu_gemm.RowsLinear(w.float()).packed.element_size() == 2  # its values are bf16s
+        assert cpu_gemm.RowsLinear(w.float() * 1.001).packed.element_size() == 4
+        for rows in (1, 2, 3, 4, 5, 6, 7, 13, 24, 31):  # from 24 rows a block is widened once
+            x = torch.randn(rows, k, generator=g)
+            y = half(x)
+            assert torch.equal(y, full(x))
+            torch.testing.assert_close(y, F.linear(x, w.float(), bias), atol=1e-4 * k ** 0.5, rtol=1e-5)
+
+
+@needs_kernel
+def test_bf16_pack_rounds_to_nearest_even():
+    """`rows_gemm_pack_bf16` rounds an fp32 weight as torch's bf16 cast does (ties to even), into
+    the kernel's column order within each 16-column block (0-3, 8-11, 4-7, 12-15)."""
+    torch.manual_seed(2)
+    n, k = 35, 9
+    w = torch.randn(n, k)
+    w[0, :4] = torch.tensor([1 + 2 ** -8, 1 + 3 * 2 ** -8, -(1 + 2 ** -8), 1 + 2 ** -9])  # ties, and below
+    packed = torch.empty(-(-n // 16), k, 16, dtype=torch.int16)
+    cpu_gemm.library().rows_gemm_pack_bf16(w.data_ptr(), packed.data_ptr(), n, k)
+    order = [0, 1, 2, 3, 8, 9, 10, 11, 4, 5, 6, 7, 12, 13, 14, 15]  # column j sits at order[j]
+    expect = torch.zeros(packed.shape[0] * 16, k, dtype=torch.int16)
+    expect[:n] = w.bfloat16().view(torch.int16)
+    expect = expect.view(-1, 16, k).transpose(1, 2)  # [blocks, K, 16] in column order
+    assert torch.equal(packed[:, :, order], expect)
 
 
 def test_cpu_gemm_choice_only_where_measured(monkeypatch):
@@ -101,8 +139,8 @@ def test_cpu_gemm_choice_only_where_measured(monkeypatch):
 
 @needs_kernel
 def test_bench_cpu_gemm_writes_every_kernel(tmp_path):
-    """`dspark bench-cpu-gemm --without-prefetch` on a tiny Llama-shaped config: all three kernels
-    timed at every row count, their paired ratios, and the exactness checks, in the JSON."""
+    """`dspark bench-cpu-gemm --without-prefetch --bf16-weights` on a tiny Llama-shaped config: all
+    four kernels timed at every row count, their paired ratios, and the exactness checks, in the JSON."""
     folder = tmp_path / "tiny"
     folder.mkdir()
     (folder / "config.json").write_text(json.dumps({
@@ -112,11 +150,13 @@ def test_bench_cpu_gemm_writes_every_kernel(tmp_path):
     bench.add_arguments(p)
     out = tmp_path / "cg.json"
     args = p.parse_args(["--model", str(folder), "--rows", "1,4", "--rounds", "2", "--without-prefetch",
-                         "--out", str(out)])
+                         "--bf16-weights", "--out", str(out)])
     assert bench.main(args) == 0
     result = json.loads(out.read_text())
-    assert set(result["ms"]) == {"onednn", "rows", "rows_no_prefetch"}
+    assert set(result["ms"]) == {"onednn", "rows", "rows_no_prefetch", "rows_bf16"}
     assert all(set(v) == {"1", "4"} and min(v.values()) > 0 for v in result["ms"].values())
     assert set(result["rows_no_prefetch_over_rows_paired"]) == {"1", "4"}
+    assert set(result["rows_over_rows_bf16_paired"]) == {"1", "4"}
     assert result["rows_no_prefetch_bit_identical"] and result["rows_batch_invariant"]
+    assert result["rows_bf16_bit_identical_to_rows_on_bf16_values"]
     assert out.with_suffix(".png").is_file()

@@ -867,6 +867,14 @@ def test_smollm2_greedy_speculative_equals_plain(smol, policy, kind):
     to plain greedy decoding on the real target, for every policy."""
     target, prompts, reference = smol
     engine = SpecEngine(target, smol_drafter(kind, target), policy, sps=SPS)
+    assert_staggered_then_alone_equal(engine, prompts, reference)
+    assert target.num_free_slots() == 8
+
+
+def assert_staggered_then_alone_equal(engine: SpecEngine, prompts: list[list[int]],
+                                      reference: list[list[int]]) -> None:
+    """Greedy `engine` on `prompts` with one new request per step, then the first alone (batch 1),
+    gives `reference` (plain greedy), with no drafter fallback."""
     reqs = []
     for p in prompts:
         reqs.append(engine.add_request(p, SMOL_TOKENS, stop_token_ids=[]))
@@ -874,7 +882,37 @@ def test_smollm2_greedy_speculative_equals_plain(smol, policy, kind):
     engine.run_until_done()
     assert [r.output for r in reqs] == reference
     assert engine.metrics.drafter_fallbacks == 0
-    assert engine.generate([prompts[0]], SMOL_TOKENS, stop_token_ids=[])[0] == reference[0]  # batch 1
+    assert engine.generate([prompts[0]], SMOL_TOKENS, stop_token_ids=[])[0] == reference[0]
+
+
+def test_smollm2_bf16_weights_greedy_speculative_equals_plain(smol, smollm2_folder):
+    """`--dtype bf16` on a CPU without bf16 matmuls where the rows kernel runs (this AVX2 CI
+    machine): weights rounded to bf16 and streamed as bf16, activations fp32
+    (`wiring.torch_dtypes`). Speculative greedy output equals plain greedy on that target, batch 8
+    staggered then batch 1, with the shipped drafter rounded alike; the Triton drafter's own copy
+    of the shared weights (`load_shared_weights`) is the target's, bit for bit."""
+    from dataclasses import replace
+
+    from dspark import wiring
+    from dspark.runtime.cpu_gemm import RowsLinear
+    from dspark.runtime.drafter.files import shared_weights
+
+    _, prompts, _ = smol
+    spec = wiring.Spec(model=str(smollm2_folder), dtype="bf16", capacity=8, max_seq_len=192,
+                       drafter="ngram+dspark-markov")
+    activations, weights = wiring.torch_dtypes(spec)
+    target = wiring.load_target(spec)
+    assert (target.dtype, target.weights_dtype) == (activations, weights)
+    if (activations, weights) == (torch.float32, torch.bfloat16):
+        assert isinstance(target.model.head, RowsLinear) and target.model.head.packed.element_size() == 2
+        emb, lm, norm = shared_weights(target)
+        assert emb.dtype == torch.float32 and torch.equal(emb, emb.bfloat16().float())
+        shared = wiring.load_shared_weights(replace(spec, capacity=1))
+        assert torch.equal(shared.embed_tokens.weight, emb) and torch.equal(shared.norm.weight, norm)
+    reference = SpecEngine(target).generate(prompts, SMOL_TOKENS, stop_token_ids=[])
+    drafter = wiring.load_drafter(spec, target)
+    for policy in ("dspark", "fixed:3"):
+        assert_staggered_then_alone_equal(SpecEngine(target, drafter, policy, sps=SPS), prompts, reference)
     assert target.num_free_slots() == 8
 
 

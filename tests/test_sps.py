@@ -226,6 +226,8 @@ def test_auto_reads_the_table_profiled_on_this_kind_of_cpu(tmp_path, monkeypatch
     q4_amd = tmp_path / "sps_m_q4_1_cpu_avx512bf16.json"
     assert wiring.sps_table_path("smollm2", "q4_1", "avx512bf16") == q4_amd
     assert wiring.sps_table_path("smollm2", "auto", "avx2") == tmp_path / "sps_m_cpu_avx2.json"
+    # bf16 there is bf16 weights in the rows kernel (`torch_dtypes`), priced apart from fp32
+    assert wiring.sps_table_path("smollm2", "bf16", "avx2") == tmp_path / "sps_m_bf16_cpu_avx2.json"
     for kind in ("amx", ""):  # the shipped tables' kind, and a CPU of neither kind
         assert wiring.sps_table_path("smollm2", "bf16", kind) == shipped
     assert wiring.auto_sps_path("smollm2", "bf16", "avx512bf16") is None  # nothing profiled
@@ -248,15 +250,23 @@ def test_auto_reads_the_table_profiled_on_this_kind_of_cpu(tmp_path, monkeypatch
 
 def test_auto_dtype_is_fp32_where_the_cpu_has_no_bf16_matmul(monkeypatch):
     """`dtype=auto` serves SmolLM2 in bf16 only where oneDNN has bf16 kernels: on an AVX2-only
-    CPU bf16 falls back to reference kernels (a verify of 8 tokens 2.3x fp32's), so fp32 there."""
+    CPU bf16 falls back to reference kernels (a verify of 8 tokens 2.3x fp32's), so fp32 there.
+    An explicit bf16 there keeps bf16 weights with fp32 activations where the rows kernel runs
+    (`torch_dtypes`), real bf16 where it does not; q4_1 keeps its bf16 activations."""
     import torch
 
     from dspark import wiring
 
-    spec = wiring.Spec(model="smollm2", device="cpu")
+    bf16, fp32 = torch.bfloat16, torch.float32
+    spec, explicit = wiring.Spec(model="smollm2", device="cpu"), wiring.Spec(model="smollm2", device="cpu",
+                                                                             dtype="bf16")
     monkeypatch.setattr("dspark.runtime.linear.has_bf16_matmul", lambda: True)
-    assert wiring.torch_dtype(spec) == torch.bfloat16
+    assert wiring.torch_dtypes(spec) == wiring.torch_dtypes(explicit) == (bf16, bf16)
     monkeypatch.setattr("dspark.runtime.linear.has_bf16_matmul", lambda: False)
-    assert wiring.torch_dtype(spec) == torch.float32
-    assert wiring.torch_dtype(wiring.Spec(model="smollm2", device="cpu", dtype="bf16")) == torch.bfloat16
-    assert wiring.torch_dtype(wiring.Spec(model="demo", device="cpu")) == torch.float32
+    assert wiring.torch_dtypes(spec) == (fp32, fp32) and wiring.torch_dtype(spec) == fp32
+    monkeypatch.setattr("dspark.runtime.linear.serving_cpu_gemm", lambda dtype: "rows")
+    assert wiring.torch_dtypes(explicit) == (fp32, bf16) and wiring.torch_dtype(explicit) == fp32
+    assert wiring.torch_dtypes(wiring.Spec(model="smollm2", device="cpu", dtype="q4_1")) == (bf16, bf16)
+    monkeypatch.setattr("dspark.runtime.linear.serving_cpu_gemm", lambda dtype: "onednn")
+    assert wiring.torch_dtypes(explicit) == (bf16, bf16)
+    assert wiring.torch_dtype(wiring.Spec(model="demo", device="cpu")) == fp32

@@ -134,7 +134,27 @@ def torch_device(spec: Spec) -> torch.device:
 
 
 def torch_dtype(spec: Spec, device: torch.device | None = None) -> torch.dtype:
+    """The dtype the spec's target computes in (its activations and KV cache): `torch_dtypes`."""
+    return torch_dtypes(spec, device)[0]
+
+
+def torch_dtypes(spec: Spec, device: torch.device | None = None) -> tuple[torch.dtype, torch.dtype]:
+    """(activations, weights) of the spec's target on its device. They differ in one case: bf16 on
+    a CPU without bf16 matmuls where our rows kernel runs (AVX2 only). There bf16 activations
+    would run oneDNN's reference kernels (a verify 2.3x slower than fp32, README "On an AVX2-only
+    CPU"), so the weights are rounded to bf16, which the kernel streams as bf16 (half the bytes),
+    and every activation stays fp32."""
     device = device or torch_device(spec)
+    dtype = _requested_dtype(spec, device)
+    if dtype == torch.bfloat16 and spec.dtype not in QUANTIZED and device.type == "cpu":
+        from dspark.runtime.linear import has_bf16_matmul, serving_cpu_gemm
+
+        if not has_bf16_matmul() and serving_cpu_gemm(torch.float32) == "rows":
+            return torch.float32, torch.bfloat16
+    return dtype, dtype
+
+
+def _requested_dtype(spec: Spec, device: torch.device) -> torch.dtype:
     if spec.dtype == "auto":
         if device.type == "cuda":
             return torch.bfloat16
@@ -164,10 +184,11 @@ def load_target(spec: Spec, num_taps: int = 3, compile: bool = False):
     quant = QUANTIZED.get(spec.dtype)
     if quant is not None and device.type != "cpu":
         raise ValueError(f"setting 'dtype': {spec.dtype} runs torch's CPU int4 kernels; use device cpu")
+    dtype, weights_dtype = torch_dtypes(spec, device)
     return TargetEngine.from_pretrained(model_folder(spec.model), capacity=spec.capacity,
-                                        max_seq_len=spec.max_seq_len, device=device,
-                                        dtype=torch_dtype(spec, device), num_taps=num_taps, quant=quant,
-                                        compile=compile)
+                                        max_seq_len=spec.max_seq_len, device=device, dtype=dtype,
+                                        num_taps=num_taps, quant=quant, compile=compile,
+                                        weights_dtype=weights_dtype)
 
 
 def load_shared_weights(spec: Spec, num_taps: int = 3):
@@ -178,8 +199,9 @@ def load_shared_weights(spec: Spec, num_taps: int = 3):
 
     device = torch_device(spec)
     set_threads(spec, device)
-    return SharedWeights(model_folder(spec.model), device=device, dtype=torch_dtype(spec, device),
-                         num_taps=num_taps)
+    dtype, weights_dtype = torch_dtypes(spec, device)
+    return SharedWeights(model_folder(spec.model), device=device, dtype=dtype, num_taps=num_taps,
+                         weights_dtype=weights_dtype)
 
 
 def drafter_folder(spec: Spec, name: str | None = None) -> Path | None:
@@ -269,13 +291,15 @@ def auto_sps_path(model_key: str | None, dtype: str = "auto", kind: str | None =
 def sps_table_path(model_key: str | None, dtype: str = "auto", kind: str = "") -> Path | None:
     """The profiled CPU table of this model in this dtype: SPS_TABLES' own for the bf16 / fp32
     weights, `sps_<model>_<dtype>_cpu.json` beside it for quantized weights (int4 costs grow
-    with a verify's rows far faster than bf16's, so a bf16 table would misprice every step);
+    with a verify's rows far faster than bf16's, so a bf16 table would misprice every step) and
+    for bf16 on an AVX2-only CPU (bf16 weights in the rows kernel: a one-row step far cheaper
+    than fp32's, a verify of 5+ rows alike, `torch_dtypes`);
     for a CPU `kind` other than the shipped tables' (`linear.cpu_kind`, e.g. "avx512bf16"),
     `..._cpu_<kind>.json` (what `dspark profile-sps` writes on such a CPU)."""
     table = SPS_TABLES.get(model_key or "")
     if table is None:
         return None
-    if dtype in QUANTIZED:
+    if dtype in QUANTIZED or dtype == "bf16" and kind == "avx2":
         table = table.with_name(table.name.replace("_cpu.json", f"_{dtype}_cpu.json"))
     if kind and kind != SHIPPED_CPU_KIND:
         table = table.with_name(table.name.replace("_cpu.json", f"_cpu_{kind}.json"))

@@ -1,8 +1,9 @@
 """`dspark bench-cpu-gemm`: our fp32 rows kernel (`dspark.runtime.cpu_gemm`) against oneDNN's
 prepacked matmul on this CPU, over one forward's projections of the model (every layer's
 qkv, o, gate_up and down, then the LM head; weights of those shapes) at the row counts a decode,
-a verify, a batched step and a prefill send. `--without-prefetch` adds a third: our kernel
-built without its prefetch of the next column blocks (what the prefetch buys). They run
+a verify, a batched step and a prefill send. `--without-prefetch` adds our kernel built without
+its prefetch of the next column blocks (what the prefetch buys); `--bf16-weights` our kernel
+over the same weights rounded to bf16 (half the bytes to stream; fp32 arithmetic). They run
 interleaved in rounds, each round starting with the next one (drift hits all alike); per row
 count the median over rounds. Also checks the kernel against F.linear, its batch invariance,
 and that the build without prefetch computes the same bits. Writes
@@ -58,6 +59,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--without-prefetch", action="store_true",
                    help="also time the kernel built without its prefetch (-DROWS_GEMM_NO_PREFETCH)")
+    p.add_argument("--bf16-weights", action="store_true",
+                   help="also time the kernel over the weights rounded to bf16 (`rows_gemm_bf16`)")
     p.add_argument("--out", default=None, help="default: results/cpu_gemm_<model>_cpu_<kind>.json")
 
 
@@ -79,6 +82,8 @@ def main(args: argparse.Namespace) -> int:
         if variant is None:
             raise SystemExit("dspark bench-cpu-gemm: the kernel without prefetch failed to build")
         kernels["rows_no_prefetch"] = partial(cpu_gemm.RowsLinear, lib=variant)
+    if args.bf16_weights:
+        kernels["rows_bf16"] = lambda w: cpu_gemm.RowsLinear(w.bfloat16())
     fns = {name: [([make(w) for w in group], k) for group, k in weights] for name, make in kernels.items()}
     w, x = weights[3][0][0], torch.randn(13, weights[3][1])  # one down_proj: the longest K
     rows_lin = cpu_gemm.RowsLinear(w)
@@ -106,10 +111,15 @@ def main(args: argparse.Namespace) -> int:
         extra["rows_no_prefetch_over_rows_paired"] = paired("rows_no_prefetch", "rows")
         variant_lin = cpu_gemm.RowsLinear(w, lib=variant)
         extra["rows_no_prefetch_bit_identical"] = torch.equal(variant_lin(x), rows_lin(x))
+    if args.bf16_weights:
+        extra["rows_over_rows_bf16_paired"] = paired("rows", "rows_bf16")
+        extra["rows_bf16_bit_identical_to_rows_on_bf16_values"] = torch.equal(
+            cpu_gemm.RowsLinear(w.bfloat16())(x), cpu_gemm.RowsLinear(w.bfloat16().float(), narrow=False)(x))
     key = "smollm2" if args.model == "smollm2" else folder.name
     result = {
         "what": "one forward's projections (every layer's qkv, o, gate_up, down, then the LM head), "
-                "fp32 weights of the model's shapes, ms per pass; median over interleaved rounds",
+                "fp32 weights of the model's shapes (rows_bf16: the same rounded to bf16), ms per pass; "
+                "median over interleaved rounds",
         "model": key, "shapes": [{"name": s[0], "out": s[1], "in": s[2], "count": s[3]} for s in shapes],
         "cpu": cpu_name(), "cpu_kind": linear.THIS_CPU_KIND, "threads": args.num_threads,
         "pack_rows_hint": linear.pack_rows_hint(torch.float32), "rounds": args.rounds,
@@ -128,6 +138,9 @@ def main(args: argparse.Namespace) -> int:
         if args.without_prefetch:
             line += (f"  without prefetch {ms['rows_no_prefetch'][str(r)]:7.1f} ms  "
                      f"x{extra['rows_no_prefetch_over_rows_paired'][str(r)]:.2f}")
+        if args.bf16_weights:
+            line += (f"  bf16 weights {ms['rows_bf16'][str(r)]:7.1f} ms  "
+                     f"x{extra['rows_over_rows_bf16_paired'][str(r)]:.2f}")
         print(line)
     print(f"wrote {paths.relative(out)}")
     return 0
@@ -140,7 +153,8 @@ def plot(result: dict, path: Path) -> None:
 
     fig, ax = plt.subplots(figsize=(6, 4))
     for name, label in (("onednn", "oneDNN prepacked"), ("rows", "rows kernel (ours)"),
-                        ("rows_no_prefetch", "rows kernel without prefetch")):
+                        ("rows_no_prefetch", "rows kernel without prefetch"),
+                        ("rows_bf16", "rows kernel, bf16 weights")):
         if name not in result["ms"]:
             continue
         rows = [int(r) for r in result["ms"][name]]

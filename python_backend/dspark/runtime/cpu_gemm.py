@@ -5,7 +5,8 @@ few rows a decode or a verify sends; this one reads the weight once per call and
 to 6 rows at a time from cache (README "Serving matmuls" has its times by row count). Every
 output is one FMA chain over k in order, so a row's result is bit-identical whatever else is in
 the batch (a speculative verify and a plain decode compute the same logits). `F.linear` is the
-reference (tests/test_cpu_gemm.py).
+reference (tests/test_cpu_gemm.py). A bf16 weight is streamed as bf16 (half the bytes: a
+one-row decode is memory-bound) and widened in registers, with fp32 activations and arithmetic.
 """
 
 from __future__ import annotations
@@ -76,33 +77,49 @@ def library(defines: tuple[str, ...] = ()) -> ctypes.CDLL | None:
         return None
     lib = ctypes.CDLL(str(path))
     ptr, i64 = ctypes.c_void_p, ctypes.c_int64
-    lib.rows_gemm_pack.argtypes = [ptr, ptr, i64, i64]
-    lib.rows_gemm_pack.restype = None
-    lib.rows_gemm.argtypes = [ptr, ptr, ptr, ptr, i64, i64, i64, ctypes.c_int]
-    lib.rows_gemm.restype = None
+    for name in ("rows_gemm_pack", "rows_gemm_pack_bf16"):
+        getattr(lib, name).argtypes = [ptr, ptr, i64, i64]
+        getattr(lib, name).restype = None
+    for name in ("rows_gemm", "rows_gemm_bf16"):
+        getattr(lib, name).argtypes = [ptr, ptr, ptr, ptr, i64, i64, i64, ctypes.c_int]
+        getattr(lib, name).restype = None
     return lib
 
 
+def holds_bf16(weight: torch.Tensor) -> bool:
+    """Whether every value of an fp32 tensor is a bf16 (its low 16 bits are zero): then it widens
+    back from bf16 exactly."""
+    return not bool((weight.detach().contiguous().view(torch.int32) & 0xFFFF).any())
+
+
 class RowsLinear:
-    """y = x Wᵀ + b (fp32, CPU) through `rows_gemm`: the weight is copied ONCE into [N/16, K, 16]
-    column blocks (the kernel's layout; the model's own weight is not kept). A plain object like
+    """y = x Wᵀ + b (fp32 x, CPU) through `rows_gemm`: the weight is copied ONCE into [N/16, K, 16]
+    column blocks (the kernel's layout; the model's own weight is not kept), in its own dtype:
+    fp32, or bf16 (`rows_gemm_bf16`: the same fp32 products, bit-identical to an fp32 weight
+    holding the same values, from half the bytes). An fp32 weight whose every value is a bf16
+    (a bf16 checkpoint served in fp32, `TargetEngine`'s `weights_dtype`) is kept as bf16 too,
+    unless `narrow=False`: the same bits either way. A plain object like
     `dspark.runtime.linear.Dense`, with the same call. `lib` runs another build of the kernel
     (`library(defines)`: benchmarks compare variants)."""
 
-    __slots__ = ("packed", "bias", "out_features", "in_features", "lib")
+    __slots__ = ("packed", "bias", "out_features", "in_features", "lib", "gemm")
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None,
-                 lib: ctypes.CDLL | None = None) -> None:
+                 lib: ctypes.CDLL | None = None, narrow: bool = True) -> None:
         lib = lib if lib is not None else library()
         if lib is None:
             raise RuntimeError("the rows_gemm kernel is not available on this machine")
-        if weight.dtype != torch.float32 or weight.device.type != "cpu" or weight.dim() != 2:
-            raise ValueError(f"RowsLinear takes a 2-D fp32 CPU weight, got {weight.dtype} "
+        bf16 = weight.dtype == torch.bfloat16 or (narrow and weight.dtype == torch.float32
+                                                  and holds_bf16(weight))
+        if weight.dtype not in (torch.float32, torch.bfloat16) or weight.device.type != "cpu" \
+                or weight.dim() != 2:
+            raise ValueError(f"RowsLinear takes a 2-D fp32 or bf16 CPU weight, got {weight.dtype} "
                              f"{tuple(weight.shape)} on {weight.device}")
         n, k = weight.shape
-        w = weight.detach().contiguous()
-        self.packed = torch.empty(-(-n // 16), k, 16)
-        lib.rows_gemm_pack(w.data_ptr(), self.packed.data_ptr(), n, k)
+        w = weight.detach().float().contiguous()  # a bf16 weight widens exactly, and packs back exactly
+        self.packed = torch.empty(-(-n // 16), k, 16, dtype=torch.int16 if bf16 else torch.float32)
+        (lib.rows_gemm_pack_bf16 if bf16 else lib.rows_gemm_pack)(w.data_ptr(), self.packed.data_ptr(), n, k)
+        self.gemm = lib.rows_gemm_bf16 if bf16 else lib.rows_gemm
         self.bias = None if bias is None else bias.detach().to(torch.float32).contiguous()
         self.out_features, self.in_features, self.lib = n, k, lib
 
@@ -115,6 +132,6 @@ class RowsLinear:
         y = torch.empty(m, self.out_features)
         if m:
             bias = None if self.bias is None else self.bias.data_ptr()
-            self.lib.rows_gemm(x2d.data_ptr(), self.packed.data_ptr(), bias, y.data_ptr(), m,
-                               self.out_features, self.in_features, torch.get_num_threads())
+            self.gemm(x2d.data_ptr(), self.packed.data_ptr(), bias, y.data_ptr(), m, self.out_features,
+                      self.in_features, torch.get_num_threads())
         return y.view(*x.shape[:-1], self.out_features)

@@ -110,6 +110,17 @@ def load_model(folder: str | Path, device: str | torch.device = "cpu", dtype: to
     return model.eval().requires_grad_(False), cfg
 
 
+def round_params_(module: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Module:
+    """Round every floating parameter to `dtype`'s precision in place, each keeping its own dtype:
+    bf16 weights computed in fp32 (`dspark.wiring.torch_dtypes`). Buffers (the RoPE frequencies)
+    keep their precision."""
+    with torch.no_grad():
+        for p in module.parameters():
+            if p.is_floating_point() and p.dtype != dtype:
+                p.copy_(p.to(dtype))
+    return module
+
+
 def save_pretrained(model: Transformer, config: ModelConfig, folder: str | Path,
                     tokenizer_path: str | Path | None = None, dtype: torch.dtype = torch.float32) -> Path:
     """Write an HF folder (config, safetensors, generation config, tokenizer) that our
@@ -156,7 +167,9 @@ class SharedWeights:
     NAMES = ("model.embed_tokens.weight", "lm_head.weight", "model.norm.weight")
 
     def __init__(self, folder: str | Path, device: str | torch.device = "cpu",
-                 dtype: torch.dtype = torch.float32, num_taps: int = 3) -> None:
+                 dtype: torch.dtype = torch.float32, num_taps: int = 3,
+                 weights_dtype: torch.dtype | None = None) -> None:
+        """`weights_dtype`: round the tensors to it, kept in `dtype` (as `TargetEngine` does)."""
         from dspark.runtime.model import default_tap_layers
 
         cfg = load_config(folder)
@@ -164,12 +177,13 @@ class SharedWeights:
         for path in _weight_files(Path(folder)):
             with safe_open(str(path), framework="pt") as f:
                 for name in set(self.NAMES) & set(f.keys()):
-                    found[name] = f.get_tensor(name).to(device=device, dtype=dtype)
+                    found[name] = f.get_tensor(name).to(device=device, dtype=weights_dtype or dtype).to(dtype)
         need = [n for n in self.NAMES if n != "lm_head.weight" or not cfg.tie_word_embeddings]
         missing = [n for n in need if n not in found]
         if missing:
             raise ValueError(f"checkpoint {folder} is missing tensor(s): {', '.join(missing)}")
         self.config = cfg
+        self.weights_dtype = weights_dtype or dtype
         self.vocab_size = cfg.vocab_size
         self.device = torch.device(device)
         self.tap_layers = default_tap_layers(cfg.num_hidden_layers, num_taps)

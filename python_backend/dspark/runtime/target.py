@@ -13,7 +13,7 @@ from dspark.runtime.attention import build_attn_meta
 from dspark.runtime.batch import RaggedBatch
 from dspark.runtime.config import ModelConfig
 from dspark.runtime.kv_cache import KVCache
-from dspark.runtime.loader import load_model
+from dspark.runtime.loader import load_model, round_params_
 from dspark.runtime.model import Transformer
 from dspark.runtime.text import load_tokenizer
 
@@ -43,12 +43,19 @@ def _prefill_groups(lengths: list[int], budget: int) -> list[list[int]]:
 class TargetEngine:
     def __init__(self, model: Transformer, config: ModelConfig, tokenizer=None, capacity: int = 8,
                  max_seq_len: int = 1024, device: str | torch.device = "cpu",
-                 dtype: torch.dtype = torch.float32, compile: bool = False) -> None:
-        """compile=True: the cached forward goes through torch.compile (dynamic shapes, weights
+                 dtype: torch.dtype = torch.float32, compile: bool = False,
+                 weights_dtype: torch.dtype | None = None) -> None:
+        """`weights_dtype` (e.g. bf16 with an fp32 `dtype`): every weight rounded to it, activations
+        and the KV cache in `dtype` (`dspark.wiring.torch_dtypes`: bf16 on an AVX2-only CPU, where
+        the rows kernel streams such weights as bf16).
+        compile=True: the cached forward goes through torch.compile (dynamic shapes, weights
         frozen and packed by inductor). Measured ~10-20 % faster steps on this CPU, after a
         compile of several minutes on 2 cores per shape family (decode, masked decode, blocks);
         off by default for that reason (`dspark bench-target --compile` measures it)."""
         self.model = model.to(device=device, dtype=dtype).eval().requires_grad_(False)
+        self.weights_dtype = weights_dtype or dtype
+        if self.weights_dtype != dtype:
+            round_params_(self.model, self.weights_dtype)
         # weights (fused, prepacked) and RoPE tables laid out once
         self.model.fuse_for_inference(max_positions=max_seq_len, prepack=not compile)
         self._forward_ragged = self.model.forward_ragged
@@ -75,7 +82,8 @@ class TargetEngine:
     @classmethod
     def from_pretrained(cls, path: str | Path, capacity: int = 8, max_seq_len: int = 1024,
                         device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
-                        num_taps: int = 3, quant: str | None = None, compile: bool = False) -> TargetEngine:
+                        num_taps: int = 3, quant: str | None = None, compile: bool = False,
+                        weights_dtype: torch.dtype | None = None) -> TargetEngine:
         """Load an HF folder. quant="q4_1": the linear layers keep the folder's GGUF Q4_1 blocks
         and run torch's int4 matmul (`dspark.runtime.quant`; activations in bf16)."""
         # before the weights: a broken folder fails fast; weights-only folders serve token ids
@@ -90,7 +98,7 @@ class TargetEngine:
             model, cfg = load_q4_1_model(path, num_taps=num_taps)
         else:
             raise ValueError(f"unknown quant {quant!r} (None or 'q4_1')")
-        return cls(model, cfg, tokenizer, capacity, max_seq_len, device, dtype, compile)
+        return cls(model, cfg, tokenizer, capacity, max_seq_len, device, dtype, compile, weights_dtype)
 
     # --- slots (TargetLike) ---
     def allocate(self) -> int:

@@ -15,7 +15,13 @@ from torch import nn
 
 from dspark.runtime.drafter.context import SlotDrafter, SlotKV, segments
 from dspark.runtime.drafter.dspark_model import DraftLayer, DSparkConfig, DSparkModel, save_dspark
-from dspark.runtime.drafter.files import read_calibration, read_draft_vocab, read_sts_shifts, shared_weights
+from dspark.runtime.drafter.files import (
+    read_calibration,
+    read_draft_vocab,
+    read_sts_shifts,
+    shared_weights,
+    to_target_dtype,
+)
 from dspark.runtime.drafter.heads import MarkovHead
 from dspark.runtime.interfaces import DraftBlock, block_width
 from dspark.runtime.linear import Dense, Projection, serving_linear
@@ -416,7 +422,7 @@ def load_dspark(folder: str | Path, target, gamma: int | None = None) -> DSparkD
         raise ValueError(f"drafter {folder} was trained on taps {cfg.tap_layers}, target gives {tap_layers}")
     model = DSparkModel(cfg)
     model.load_state_dict({k: v.float() for k, v in load_file(str(folder / "model.safetensors")).items()})
-    model.to(embed.device, embed.dtype)  # the target's dtype: its taps and LM head are used as they are
+    to_target_dtype(model, target, embed)
     drafter = DSparkDrafter(model, embed, lm_head, gamma=gamma, sts_temperatures=read_calibration(folder),
                             sts_shifts=read_sts_shifts(folder))
     drafter.set_vocab(read_draft_vocab(folder))

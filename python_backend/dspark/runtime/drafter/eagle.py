@@ -27,6 +27,7 @@ from dspark.runtime.drafter.files import (
     read_calibration,
     read_sts_shifts,
     shared_weights,
+    to_target_dtype,
 )
 from dspark.runtime.interfaces import DraftBlock, block_width
 from dspark.runtime.model import RMSNorm, apply_rope, rope_cos_sin
@@ -259,6 +260,6 @@ def load_eagle(folder: str | Path, target, gamma: int | None = None) -> EagleDra
     model.load_state_dict({k: v.float() for k, v in load_file(str(folder / "model.safetensors")).items()})
     # the target's dtype, as load_dspark: in fp32 beside a bf16 target, every lm_head call cast the
     # whole [V, d] head to fp32 (γ times per propose: ~400 ms at batch 1 on SmolLM2)
-    model.to(embed.device, embed.dtype)
+    to_target_dtype(model, target, embed)
     return EagleDrafter(model, embed, lm_head, gamma=gamma, sts_temperatures=read_calibration(folder),
                         sts_shifts=read_sts_shifts(folder))

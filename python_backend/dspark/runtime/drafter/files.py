@@ -74,6 +74,17 @@ def shared_weights(target) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     return model.embed_tokens.weight, lm, model.norm.weight
 
 
+def to_target_dtype(model: torch.nn.Module, target, embed: torch.Tensor) -> torch.nn.Module:
+    """A drafter network on its target's device and dtype (its taps and LM head are used as they
+    are), its weights rounded as the target's are (`weights_dtype`: bf16 weights computed in fp32
+    on an AVX2-only CPU, `dspark.wiring.torch_dtypes`)."""
+    from dspark.runtime.loader import round_params_
+
+    model.to(embed.device, embed.dtype)
+    weights_dtype = getattr(target, "weights_dtype", None)
+    return round_params_(model, weights_dtype) if weights_dtype not in (None, embed.dtype) else model
+
+
 class SharedHead:
     """Mixin for a drafter network that reads the target's embedding and LM head (frozen, never
     stored with the drafter): `attach_shared` hands them over at load time, `lm_head` applies
