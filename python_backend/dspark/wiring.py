@@ -174,9 +174,12 @@ def set_threads(spec: Spec, device: torch.device) -> None:
         torch.set_num_threads(threads)
 
 
-def load_target(spec: Spec, num_taps: int = 3, compile: bool = False):
+def load_target(spec: Spec, num_taps: int = 3, compile: bool = False,
+                activations: torch.dtype | None = None):
     """The in-process target engine (`TargetEngine`) described by the spec (compile: see
-    `TargetEngine`; off by default, a benchmark option)."""
+    `TargetEngine`; off by default, a benchmark option). `activations` forces weights and
+    activations to that dtype instead of `torch_dtypes` (`dspark bench-min-rows` times oneDNN's
+    bf16 matmuls, also where bf16 would otherwise mean bf16 weights only)."""
     from dspark.runtime.target import TargetEngine
 
     device = torch_device(spec)
@@ -184,7 +187,7 @@ def load_target(spec: Spec, num_taps: int = 3, compile: bool = False):
     quant = QUANTIZED.get(spec.dtype)
     if quant is not None and device.type != "cpu":
         raise ValueError(f"setting 'dtype': {spec.dtype} runs torch's CPU int4 kernels; use device cpu")
-    dtype, weights_dtype = torch_dtypes(spec, device)
+    dtype, weights_dtype = (activations, activations) if activations else torch_dtypes(spec, device)
     return TargetEngine.from_pretrained(model_folder(spec.model), capacity=spec.capacity,
                                         max_seq_len=spec.max_seq_len, device=device, dtype=dtype,
                                         num_taps=num_taps, quant=quant, compile=compile,

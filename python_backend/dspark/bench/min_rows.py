@@ -63,7 +63,7 @@ def main(args: argparse.Namespace) -> int:
     from dspark.bench.e2e import load_prompts
 
     spec = replace(wiring.from_args(args), drafter="none", policy="plain")
-    target = wiring.load_target(spec)
+    target = wiring.load_target(spec, activations=wiring.DTYPES.get(spec.dtype))  # bf16 activations too
     if target.dtype != torch.bfloat16 or target.device.type != "cpu":
         raise SystemExit(f"bench-min-rows times bf16 matmuls on the CPU; the target is {target.dtype} "
                          f"on {target.device} (pass --dtype bf16 --device cpu)")
