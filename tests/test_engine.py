@@ -737,6 +737,40 @@ def test_bench_smoke(tiny_ckpt, tmp_path):
         main(["bench", "--rescore", str(tmp_path / "other.json")])
 
 
+def test_bench_also_dtype_runs_a_second_build_beside_every_greedy_cell(tiny_ckpt, tmp_path):
+    """`dspark bench --also-dtype bf16`: a second build of the target whose dspark and plain arms
+    run in the same cells as the main build's (batch 1 and every concurrency, paired per repeat),
+    each on its own build's plain text; the JSON compares the two builds cell by cell. A dtype
+    the main build already runs, or a quantized one, is refused before anything loads."""
+    import json
+
+    from dspark.cli import main
+
+    out = tmp_path / "bench.json"
+    common = ["bench", "--model", str(tiny_ckpt), "--drafter", "ngram", "--sps", "gpu_shaped", "--n-prompts",
+              "1", "--max-tokens", "6", "--concurrency", "1,2", "--no-hf", "--no-llamacpp", "--no-t1",
+              "--num-threads", "1", "--dtype", "fp32"]
+    assert main(common + ["--repeats", "2", "--also-dtype", "bf16", "--out", str(out)]) == 0
+    result = json.loads(out.read_text())
+    also, runs = result["also_dtype"], result["runs"]
+    assert also["dtype"] == "bf16" and "bfloat16" in (also["weights"], also["activations"])
+    assert result["config"]["weights_dtype"] == "float32"
+    for cell in ("batch1", "c1", "c2"):
+        for p in ("dspark", "plain"):
+            assert len(runs[f"{cell}_bf16_{p}"]["aggregate_runs"]) == 2
+            assert runs[f"{cell}_bf16_{p}"]["same_as_plain"] == 1.0  # its own build's plain text
+    assert set(also["by_concurrency"]) == {"1", "2"}
+    assert set(also["by_concurrency"]["2"]) == {"dspark", "plain"}
+    assert also["tau"] >= 1.0 and also["greedy_dspark_equals_plain_batch1"]
+    assert result["batch1_tokens_per_s"]["dspark_bf16"] == also["batch1_tokens_per_s"]["dspark"]
+    assert set(also["vs_main"]) == {"batch1", "c1", "c2"}
+    assert all(v > 0 for row in also["vs_main"].values() for v in row.values())
+    assert set(result["by_concurrency"]["2"]) == {"dspark", "plain", "mtp1", "fixed:7"}  # main rows as ever
+    for bad, says in (("fp32", "already runs"), ("q4_1", "one of")):
+        with pytest.raises(SystemExit, match=says):
+            main(common + ["--also-dtype", bad, "--out", str(tmp_path / "no.json")])
+
+
 def test_bench_reference_text_is_each_prompt_decoded_alone(tiny_ckpt, monkeypatch):
     """The bench's reference text (the text every greedy cell decodes) is plain decoding of each
     prompt on its own: a batched pass can part from it at a bf16 near-tie, and the batch-1 cells

@@ -13,6 +13,9 @@ one run, on the same target and the same prompts (code, math, chat; greedy unles
   beside them in every repeat (its other variants run once, after our cells; `--no-q4-1` skips
   the cell);
 - batch 1 at T = 1 (sampled): dspark and plain;
+- `--also-dtype bf16` (e.g.): a second build of the target in that dtype, its dspark and plain arms
+  beside the main build's in every greedy cell (batch 1 and each concurrency), each decoding its
+  own build's plain text: the two dtypes side by side (`also_dtype` in the JSON);
 - closed-loop concurrency 1..32: aggregate and per-user tokens/s for dspark, plain, mtp1, fixed:7;
 - τ, the per-step time split of dspark at batch 1, the drafter's propose time per step, and the
   goals of the speculation issue, met or not.
@@ -145,19 +148,21 @@ class _ClosedLoop:
 
 
 def run_closed_loops(engines: dict[str, object], prompts: list[list[int]], concurrency: int,
-                     num_requests: int, max_tokens: int | list[int],
+                     num_requests: int, max_tokens: int | list[int] | dict[str, int | list[int]],
                      params: SamplingParams) -> dict[str, dict]:
     """One closed loop per engine (a policy each), run side by side: one step of each in turn,
     each timed on its own clock, the seconds inside its own steps. Per engine, `num_requests`
     requests (prompts in turn), `concurrency` in flight at all times (a new one joins when one
     finishes). Aggregate = tokens / its clock; per-user = mean of tokens / latency on that clock.
     max_tokens: one cap for all, stopping at eos; or one length per prompt, generated exactly
-    (no stop tokens): every policy then does the same work.
+    (no stop tokens): every policy then does the same work; or either by engine name (engines
+    on different builds of the target, each with its own plain text's lengths).
     Step by step side by side, a slow spell of a shared machine (minutes long on the 2-core VMs:
     one plain run measured 97 and 121 tokens/s two minutes apart) slows every policy alike,
     where runs one after another each meet their own. The engines may share a target and drafter
     (each request holds its own KV slot: the target needs concurrency × engines slots)."""
-    loops = {name: _ClosedLoop(engine, prompts, concurrency, num_requests, max_tokens, params)
+    caps = max_tokens if isinstance(max_tokens, dict) else dict.fromkeys(engines, max_tokens)
+    loops = {name: _ClosedLoop(engine, prompts, concurrency, num_requests, caps[name], params)
              for name, engine in engines.items()}
     while any(loop.engine.has_work() for loop in loops.values()):
         for loop in loops.values():
@@ -473,6 +478,57 @@ def goals(result: dict) -> dict:
     return out
 
 
+def check_also_dtype(spec: wiring.Spec, also: str | None) -> str | None:
+    """`--also-dtype`, checked before anything loads: a non-quantized dtype whose (activations,
+    weights) differ from the main build's."""
+    if also is None:
+        return None
+    if also not in wiring.DTYPES or also in wiring.QUANTIZED:
+        raise SystemExit(f"--also-dtype {also!r}: one of "
+                         f"{', '.join(d for d in wiring.DTYPES if d not in wiring.QUANTIZED)}")
+    if wiring.torch_dtypes(replace(spec, dtype=also)) == wiring.torch_dtypes(spec):
+        raise SystemExit(f"--also-dtype {also}: the main build (--dtype {spec.dtype}) already runs "
+                         f"{wiring.torch_dtypes(spec)}")
+    return also
+
+
+def also_dtype_section(build: BenchBuild, runs: dict, concurrency: list[int], free: list[list[int]]) -> dict:
+    """The `--also-dtype` build's own numbers (its arms are named `<cell>_<dtype>_<policy>`)."""
+    d, target = build.spec.dtype, build.target
+    arm = lambda cell, policy: runs[f"{cell}_{d}_{policy}"]
+    return {"dtype": d, "activations": str(target.dtype).replace("torch.", ""),
+            "weights": str(target.weights_dtype).replace("torch.", ""), "sps": build.sps_source,
+            "batch1_tokens_per_s": {p: arm("batch1", p)["aggregate"] for p in ("dspark", "plain")},
+            "tau": arm("batch1", "dspark")["tau"],
+            "step_ms": {k: arm("batch1", "dspark")["step_ms"][k]
+                        for k in ("draft", "schedule", "verify", "accept")},
+            "plain_step_ms_batch1": arm("c1", "plain")["step_ms"]["verify"],
+            "by_concurrency": {str(c): {p: {"aggregate": arm(f"c{c}", p)["aggregate"],
+                                            "per_user": arm(f"c{c}", p)["per_user"],
+                                            "same_as_plain": arm(f"c{c}", p).get("same_as_plain")}
+                                        for p in ("dspark", "plain")} for c in concurrency},
+            "greedy_lengths": build.matched,
+            "greedy_dspark_equals_plain_batch1": free == build.reference,
+            "free_text_same_as_plain_batch1": same_text_share(free, build.reference)}
+
+
+def compare_dtypes(result: dict) -> dict:
+    """The `--also-dtype` build against the main one, each ratio the median over repeats of the
+    paired per-repeat ratio (the arms ran side by side in one cell): its dspark over the main
+    dspark, its plain over the main plain, its dspark over the main build's best policy of the
+    cell (what serving that dtype instead would give), and its own dspark over its own plain."""
+    runs, d = result["runs"], result["also_dtype"]["dtype"]
+    med = lambda mine, others: float(np.median(paired_ratios(runs, mine, others)))
+    cells = {"batch1": ["batch1_dspark", "batch1_plain"]}
+    cells |= {f"c{c}": [f"c{c}_{p}" for p in row] for c, row in result["by_concurrency"].items()}
+    return {cell: {"dspark": med(f"{cell}_{d}_dspark", [f"{cell}_dspark"]),
+                   "plain": med(f"{cell}_{d}_plain", [f"{cell}_plain"]),
+                   "dspark_vs_main_best": float(np.median(best_policy_ratios(runs, f"{cell}_{d}_dspark",
+                                                                             main)[1])),
+                   "own_dspark_vs_own_plain": med(f"{cell}_{d}_dspark", [f"{cell}_{d}_plain"])}
+            for cell, main in cells.items()}
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     wiring.add_arguments(p, capacity=32, max_seq_len=1024)
     p.add_argument("--domains", default="code,math,chat")
@@ -497,6 +553,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-q4-1", action="store_true",
                    help="skip the batch-1 dspark / plain cells on the Q4_1 int4 target (`--dtype q4_1`, "
                         "the GGUF's own 4-bit weights: what llama.cpp's Q4_1 column runs)")
+    p.add_argument("--also-dtype", default=None, metavar="DTYPE",
+                   help="a second build of the target in this dtype (fp32, bf16, fp16; not the main "
+                        "build's): its dspark and plain arms run beside the main build's in every greedy "
+                        "cell, batch 1 and each concurrency (`also_dtype` in the JSON)")
     p.add_argument("--stop-at-eos", action="store_true",
                    help="greedy requests stop at eos (default: each generates exactly as many tokens as "
                         "plain decoding does for its prompt, so every policy does the same work; in "
@@ -521,6 +581,8 @@ def rescore(path: Path) -> dict:
     if missing:
         raise SystemExit(f"--rescore {path}: not a `dspark bench` result (no {', '.join(missing)})")
     result["goals"] = goals(result)
+    if result.get("also_dtype"):
+        result["also_dtype"]["vs_main"] = compare_dtypes(result)
     path.write_text(json.dumps(result, indent=1) + "\n")
     plot(result, path.with_suffix(".png"))
     return result
@@ -584,6 +646,7 @@ def main(args: argparse.Namespace) -> int:
     # side by side, a cell's engines share the target: each needs its own slots
     side_by_side = 1 if args.sequential else len(POLICIES)
     spec = replace(spec, capacity=max(spec.capacity, max(concurrency) * side_by_side))
+    also = check_also_dtype(spec, args.also_dtype)
     target = wiring.load_target(spec)
     drafter = wiring.load_drafter(spec, target)
     if drafter is None:
@@ -608,6 +671,11 @@ def main(args: argparse.Namespace) -> int:
             builds["q4_1"] = bench_build(q4_spec, q4_target, wiring.load_drafter(q4_spec, q4_target),
                                          prompts, args, [b for b in sizes if b <= spec.gamma + 1]
                                          + [spec.gamma + 1], greedy)
+    if also is not None:  # its dspark and plain arms in every greedy cell: two slots per request
+        also_spec = replace(spec, dtype=also, capacity=max(concurrency) * (1 if args.sequential else 2))
+        also_target = wiring.load_target(also_spec)
+        builds[also] = bench_build(also_spec, also_target, wiring.load_drafter(also_spec, also_target),
+                                   prompts, args, sizes, greedy)
     spec, sps_source, reference, matched = (main_build.spec, main_build.sps_source, main_build.reference,
                                             main_build.matched)
     sps_table = wiring.load_sps(spec, target.device)
@@ -636,14 +704,17 @@ def main(args: argparse.Namespace) -> int:
     # repeat like every policy (its other variants run once, after our cells)
     llama_q4 = (LlamaCpp(gguf_q4, spec.num_threads or torch.get_num_threads(), eos)
                 if want_llamacpp and "q4_1" in builds and llamacpp_available() else None)
-    cells = [[("batch1_dspark", "dspark", 1, greedy, ""), ("batch1_plain", "plain", 1, greedy, "")]]
+    beside = [(also, p) for p in ("dspark", "plain")] if also is not None else []  # (build, policy)
+    cells = [[("batch1_dspark", "dspark", 1, greedy, ""), ("batch1_plain", "plain", 1, greedy, "")]
+             + [(f"batch1_{b}_{p}", p, 1, greedy, b) for b, p in beside]]
     if "q4_1" in builds:
         cells += [[("batch1_q4_1_dspark", "dspark", 1, greedy, "q4_1"),
                    ("batch1_q4_1_plain", "plain", 1, greedy, "q4_1")]
                   + ([("batch1_q4_1_llamacpp", "llamacpp", 1, greedy, "q4_1")] if llama_q4 else [])]
     if not args.no_t1:
         cells += [[("batch1_T1_dspark", "dspark", 1, t1, ""), ("batch1_T1_plain", "plain", 1, t1, "")]]
-    cells += [[(f"c{c}_{p}", p, c, greedy, "") for p in POLICIES] for c in concurrency]
+    cells += [[(f"c{c}_{p}", p, c, greedy, "") for p in POLICIES]
+              + [(f"c{c}_{b}_{p}", p, c, greedy, b) for b, p in beside] for c in concurrency]
     # every cell `repeats` times, its policies side by side (`run_closed_loops`: one engine step of
     # each in turn; with --sequential one run after another), their order rotated per repeat; the
     # median run is reported. llama.cpp's arm runs on its own, after ours.
@@ -656,14 +727,14 @@ def main(args: argparse.Namespace) -> int:
             groups += [[arm] for arm in arms if arm[1] == "llamacpp"]
     tries: dict[str, list[dict]] = {}
     for group in tqdm(groups, desc="dspark bench", unit="cell run"):
-        name, policy, c, params, build = group[0]  # a cell's arms share c, params and build
+        name, policy, c, params, build = group[0]  # a cell's arms share c and params
         if policy == "llamacpp":
             assert llama_q4 is not None  # the arm exists only with it
             tries.setdefault(name, []).append(llama_q4.run(prompts, args.max_tokens))
             continue
-        engines = {arm[0]: engine(arm[1], params, build) for arm in group}
-        measured = run_closed_loops(engines, prompts, c, max(c * args.waves, n_b1),
-                                    builds[build].matched if params.greedy else args.max_tokens, params)
+        engines = {arm[0]: engine(arm[1], params, arm[4]) for arm in group}
+        caps = {arm[0]: builds[arm[4]].matched if params.greedy else args.max_tokens for arm in group}
+        measured = run_closed_loops(engines, prompts, c, max(c * args.waves, n_b1), caps, params)
         for arm_name, run in measured.items():
             tries.setdefault(arm_name, []).append(run)
     runs: dict[str, dict] = {}
@@ -698,6 +769,8 @@ def main(args: argparse.Namespace) -> int:
                 "greedy_dspark_equals_plain": free["q4_1"] == b.reference,
                 "free_text_same_as_plain": same_text_share(free["q4_1"], b.reference),
                 "greedy_divergence": divergence(b.target, prompts, b.reference, free["q4_1"])}
+    if also is not None:
+        batch1.update({f"{p}_{also}": runs[f"batch1_{also}_{p}"]["aggregate"] for p in ("dspark", "plain")})
     baselines: dict[str, dict] = {}
     if not args.no_hf:
         baselines["transformers"] = hf_baselines(wiring.model_folder(spec.model), prompts, args.max_tokens,
@@ -734,9 +807,12 @@ def main(args: argparse.Namespace) -> int:
         "greedy_divergence_batch1": parted,
         "free_text_same_as_plain_batch1": same_text_share(free[""], reference),
         "q4_1": q4_1,
+        "also_dtype": None if also is None else also_dtype_section(builds[also], runs, concurrency,
+                                                                   free[also]),
         "runs": {k: {kk: vv for kk, vv in v.items() if kk != "outputs"} for k, v in runs.items()},
         "baselines": baselines,
         "config": {"model": spec.model, "dtype": str(target.dtype).replace("torch.", ""),
+                   "weights_dtype": str(target.weights_dtype).replace("torch.", ""),
                    "drafter": spec.drafter, "gamma": spec.gamma, "sps": sps_source,
                    "sps_table": sps_table.to_dict(),
                    "prompts": prompt_source, "domains": args.domains, "num_prompts": n_b1,
@@ -753,6 +829,8 @@ def main(args: argparse.Namespace) -> int:
                    "torch": torch.__version__, "load_avg_1min": _load_avg()},
     }
     result["goals"] = goals(result)
+    if result["also_dtype"] is not None:
+        result["also_dtype"]["vs_main"] = compare_dtypes(result)
     out = Path(args.out) if args.out else paths.RESULTS / f"bench_e2e_{spec.model_key or 'model'}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=1) + "\n")
@@ -788,6 +866,12 @@ def plot(result: dict, path: Path) -> None:
         ax2.plot(xs, ys, marker="o", color=colours.get(policy, f"C{4 + i}"), label=policy)
         for c, x, y in zip(rows, xs, ys):
             ax2.annotate(c, (x, y), fontsize=6)
+    also = result.get("also_dtype")
+    for policy in ("dspark", "plain") if also else ():
+        rows = also["by_concurrency"]
+        ax2.plot([rows[c][policy]["aggregate"] for c in rows], [rows[c][policy]["per_user"] for c in rows],
+                 marker="x", linestyle="--", color=colours[policy],
+                 label=f"{policy}, {also['weights']} weights / {also['activations']} activations")
     ax2.set(xlabel="aggregate tokens/s", ylabel="per-user tokens/s",
             title=f"closed-loop concurrency {', '.join(result['by_concurrency'])}")
     ax2.legend(fontsize=8)
