@@ -51,6 +51,7 @@ from dspark.runtime.scheduler import Policy
 from dspark.runtime.sps import DraftCost
 
 POLICIES = ("dspark", "plain", "mtp1", "fixed:7")
+STEP_PARTS = ("draft", "schedule", "verify", "accept")  # a step's time split the JSON reports
 LLAMACPP = ("llamacpp_q4_1", "llamacpp_bf16", "llamacpp_prompt_lookup")  # its batch-1 columns
 FALLBACK_PROMPTS = {
     "code": ["Write a Python function that checks whether a number is prime.",
@@ -478,6 +479,11 @@ def goals(result: dict) -> dict:
     return out
 
 
+def step_split(run: dict) -> dict[str, float]:
+    """A run's mean ms per step in each part the JSON reports (`STEP_PARTS`)."""
+    return {k: run["step_ms"][k] for k in STEP_PARTS}
+
+
 def check_also_dtype(spec: wiring.Spec, also: str | None) -> str | None:
     """`--also-dtype`, checked before anything loads: a non-quantized dtype whose (activations,
     weights) differ from the main build's."""
@@ -500,8 +506,7 @@ def also_dtype_section(build: BenchBuild, runs: dict, concurrency: list[int], fr
             "weights": str(target.weights_dtype).replace("torch.", ""), "sps": build.sps_source,
             "batch1_tokens_per_s": {p: arm("batch1", p)["aggregate"] for p in ("dspark", "plain")},
             "tau": arm("batch1", "dspark")["tau"],
-            "step_ms": {k: arm("batch1", "dspark")["step_ms"][k]
-                        for k in ("draft", "schedule", "verify", "accept")},
+            "step_ms": step_split(arm("batch1", "dspark")),
             "plain_step_ms_batch1": arm("c1", "plain")["step_ms"]["verify"],
             "by_concurrency": {str(c): {p: {"aggregate": arm(f"c{c}", p)["aggregate"],
                                             "per_user": arm(f"c{c}", p)["per_user"],
@@ -761,8 +766,7 @@ def main(args: argparse.Namespace) -> int:
         batch1.update(dspark_q4_1=runs["batch1_q4_1_dspark"]["aggregate"],
                       plain_q4_1=runs["batch1_q4_1_plain"]["aggregate"])
         q4_1 = {"tau": runs["batch1_q4_1_dspark"]["tau"],
-                "step_ms": {k: runs["batch1_q4_1_dspark"]["step_ms"][k]
-                            for k in ("draft", "schedule", "verify", "accept")},
+                "step_ms": step_split(runs["batch1_q4_1_dspark"]),
                 "plain_step_ms": runs["batch1_q4_1_plain"]["step_ms"]["verify"],
                 "sps": b.sps_source, "sps_table": wiring.load_sps(b.spec, b.target.device).to_dict(),
                 "greedy_lengths": b.matched,
@@ -797,8 +801,7 @@ def main(args: argparse.Namespace) -> int:
                                         "same_as_plain": runs[f"c{c}_{p}"].get("same_as_plain")}
                                     for p in POLICIES}
                            for c in concurrency},
-        "step_ms": {k: runs["batch1_dspark"]["step_ms"][k]
-                    for k in ("draft", "schedule", "verify", "accept")},
+        "step_ms": step_split(runs["batch1_dspark"]),
         "propose_ms_by_requests": {c: runs[f"c{c}_dspark"]["propose_ms_by_requests"].get(str(c))
                                    for c in map(str, concurrency)},
         "plain_step_ms_batch1": plain_step,
