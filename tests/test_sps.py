@@ -4,6 +4,7 @@ extrapolation, JSON round trip."""
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -270,3 +271,29 @@ def test_auto_dtype_is_fp32_where_the_cpu_has_no_bf16_matmul(monkeypatch):
     monkeypatch.setattr("dspark.runtime.linear.serving_cpu_gemm", lambda dtype: "onednn")
     assert wiring.torch_dtypes(explicit) == (bf16, bf16)
     assert wiring.torch_dtype(wiring.Spec(model="demo", device="cpu")) == fp32
+
+
+def test_a_table_profiled_at_more_threads_is_read_at_that_thread_count(tmp_path, monkeypatch):
+    """A verify's cost by rows depends on the thread count (AVX2, 5 tokens: ~1.35x one token on
+    1 thread, ~1.2x on 2): `--num-threads 2` reads `..._t2.json` when profiled, else the
+    1-thread table of the same dtype and kind before any other kind's; 1 thread never reads a
+    `_t2` table; `dspark profile-sps --threads 2` writes it."""
+    from dspark import wiring
+
+    shipped = tmp_path / "sps_m_cpu.json"
+    monkeypatch.setitem(wiring.SPS_TABLES, "smollm2", shipped)
+    avx2, avx2_t2 = tmp_path / "sps_m_cpu_avx2.json", tmp_path / "sps_m_cpu_avx2_t2.json"
+    assert wiring.sps_table_path("smollm2", "auto", "avx2", 2) == avx2_t2
+    assert wiring.sps_table_path("smollm2", "auto", "avx2", 1) == avx2
+    assert wiring.sps_table_path("smollm2", "q4_1", "", 4) == tmp_path / "sps_m_q4_1_cpu_t4.json"
+    SPSTable([1, 8], [100.0, 50.0], device="cpu").save(shipped)
+    SPSTable([1, 8], [90.0, 70.0], device="cpu").save(avx2)
+    assert wiring.auto_sps_path("smollm2", "fp32", "avx2", threads=2) == avx2  # the kind first
+    SPSTable([1, 8], [95.0, 80.0], device="cpu").save(avx2_t2)
+    assert wiring.auto_sps_path("smollm2", "fp32", "avx2", threads=2) == avx2_t2
+    assert wiring.auto_sps_path("smollm2", "fp32", "avx2", threads=1) == avx2
+    assert wiring.auto_sps_path("smollm2", "fp32", "avx2") == avx2
+    monkeypatch.setattr("dspark.runtime.linear.cpu_flags", lambda *a: {"avx2", "fma"})
+    spec = wiring.Spec(model="smollm2", dtype="fp32", device="cpu")
+    assert wiring.load_sps(spec).steps_per_second == [90.0, 70.0]  # num_threads 0: 1 thread
+    assert wiring.load_sps(replace(spec, num_threads=2)).steps_per_second == [95.0, 80.0]

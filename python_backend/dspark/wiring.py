@@ -167,9 +167,14 @@ def _requested_dtype(spec: Spec, device: torch.device) -> torch.dtype:
     return DTYPES[spec.dtype]
 
 
+def cpu_threads(spec: Spec) -> int:
+    """The torch intra-op threads a CPU target of this spec runs with: its own, else AUTO_CPU_THREADS."""
+    return spec.num_threads or AUTO_CPU_THREADS
+
+
 def set_threads(spec: Spec, device: torch.device) -> None:
     """torch's intra-op threads for this process: the spec's, else AUTO_CPU_THREADS on the CPU."""
-    threads = spec.num_threads or (AUTO_CPU_THREADS if device.type == "cpu" else 0)
+    threads = cpu_threads(spec) if device.type == "cpu" else spec.num_threads
     if threads > 0:
         torch.set_num_threads(threads)
 
@@ -270,35 +275,43 @@ def load_sps(spec: Spec, device: torch.device | None = None):
             raise FileNotFoundError(f"setting 'sps': no SPS table at {spec.sps} (or use auto / gpu_shaped)")
         return SPSTable.load(spec.sps)
     on_cpu = (device or torch_device(spec)).type == "cpu"
-    table = auto_sps_path(spec.model_key, spec.dtype) if on_cpu else None
+    table = auto_sps_path(spec.model_key, spec.dtype, threads=cpu_threads(spec)) if on_cpu else None
     return SPSTable.load(table) if table is not None else SPSTable.gpu_shaped()
 
 
-def auto_sps_path(model_key: str | None, dtype: str = "auto", kind: str | None = None) -> Path | None:
+def auto_sps_path(model_key: str | None, dtype: str = "auto", kind: str | None = None,
+                  threads: int = 1) -> Path | None:
     """The CPU table `--sps auto` reads: the first that exists of this dtype's table profiled on
     this kind of CPU, this dtype's shipped one, then the same two for the unquantized weights
-    (`sps_table_path`). A step's cost by rows belongs to a CPU kind: on an AMD EPYC without AMX
+    (`sps_table_path`); with `threads` > 1 each one's table profiled at that many threads first.
+    A step's cost by rows belongs to a CPU kind: on an AMD EPYC without AMX
     a batch-1 verify costs the same for 1 to 6 tokens and +17 % at 8, where the shipped AMX
     table has +44 %, so that table priced the drafts of every batch-1 step too dear there
-    (README, "The SPS table the scheduler uses"). `kind` defaults to this CPU's (`linear.cpu_kind`)."""
+    (README, "The SPS table the scheduler uses"). It belongs to a thread count too: on an
+    AVX2-only CPU a 5-token verify costs ~1.35x a 1-token one on 1 thread, ~1.2x on 2 (README, "Two
+    threads"). `kind` defaults to this CPU's (`linear.cpu_kind`)."""
     from dspark.runtime.linear import cpu_kind
 
     kind = cpu_kind() if kind is None else kind
-    for table in (sps_table_path(model_key, dtype, kind), sps_table_path(model_key, dtype),
-                  sps_table_path(model_key, "auto", kind), sps_table_path(model_key)):
-        if table is not None and table.is_file():
-            return table
+    counts = [threads, 1] if threads > 1 else [1]
+    for dt, k in ((dtype, kind), (dtype, ""), ("auto", kind), ("auto", "")):
+        for n in counts:
+            table = sps_table_path(model_key, dt, k, n)
+            if table is not None and table.is_file():
+                return table
     return None
 
 
-def sps_table_path(model_key: str | None, dtype: str = "auto", kind: str = "") -> Path | None:
+def sps_table_path(model_key: str | None, dtype: str = "auto", kind: str = "",
+                   threads: int = 1) -> Path | None:
     """The profiled CPU table of this model in this dtype: SPS_TABLES' own for the bf16 / fp32
     weights, `sps_<model>_<dtype>_cpu.json` beside it for quantized weights (int4 costs grow
     with a verify's rows far faster than bf16's, so a bf16 table would misprice every step) and
     for bf16 on an AVX2-only CPU (bf16 weights in the rows kernel: a one-row step far cheaper
     than fp32's, a verify of 5+ rows alike, `torch_dtypes`);
     for a CPU `kind` other than the shipped tables' (`linear.cpu_kind`, e.g. "avx512bf16"),
-    `..._cpu_<kind>.json` (what `dspark profile-sps` writes on such a CPU)."""
+    `..._cpu_<kind>.json` (what `dspark profile-sps` writes on such a CPU); profiled at `threads` > 1
+    torch threads, `..._t<threads>.json`."""
     table = SPS_TABLES.get(model_key or "")
     if table is None:
         return None
@@ -306,6 +319,8 @@ def sps_table_path(model_key: str | None, dtype: str = "auto", kind: str = "") -
         table = table.with_name(table.name.replace("_cpu.json", f"_{dtype}_cpu.json"))
     if kind and kind != SHIPPED_CPU_KIND:
         table = table.with_name(table.name.replace("_cpu.json", f"_cpu_{kind}.json"))
+    if threads > 1:
+        table = table.with_name(f"{table.stem}_t{threads}.json")
     return table
 
 

@@ -617,7 +617,7 @@ def bench_build(spec: wiring.Spec, target, drafter, prompts: list[list[int]], ar
     text: each prompt's text and length as plain decoding stops it at eos, decoded alone (an
     untimed pass), then generated exactly by every policy (T = 1 cells stop at eos: their
     lengths are random anyway), and decoded as that same text unless --free-text (`SameTextTarget`)."""
-    table = wiring.auto_sps_path(spec.model_key, spec.dtype)
+    table = wiring.auto_sps_path(spec.model_key, spec.dtype, threads=wiring.cpu_threads(spec))
     sps_source = spec.sps
     if spec.sps == "profile" or (spec.sps == "auto" and target.device.type == "cpu" and table is None):
         name = "_".join(filter(None, [spec.model_key or "model", wiring.QUANTIZED.get(spec.dtype)]))

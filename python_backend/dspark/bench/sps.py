@@ -209,7 +209,8 @@ def main(args: argparse.Namespace) -> int:
     if target == "random":
         target = make_random_target()
     key = wiring.Spec(model=str(target)).model_key
-    out = args.out or str(wiring.sps_table_path(key, args.dtype, cpu_kind()) or RESULTS / "sps_cpu.json")
+    out = args.out or str(wiring.sps_table_path(key, args.dtype, cpu_kind(), args.threads)
+                          or RESULTS / "sps_cpu.json")
     sizes = _ints(args.sizes)
     try:
         table = profile(target, sizes, args.context, args.tokens_per_request, args.repeats, args.warmup,
