@@ -484,6 +484,12 @@ def step_split(run: dict) -> dict[str, float]:
     return {k: run["step_ms"][k] for k in STEP_PARTS}
 
 
+def cell_row(run: dict) -> dict:
+    """A closed-loop run as a `by_concurrency` entry: aggregate and per-user tokens/s, same text."""
+    return {"aggregate": run["aggregate"], "per_user": run["per_user"],
+            "same_as_plain": run.get("same_as_plain")}
+
+
 def check_also_dtype(spec: wiring.Spec, also: str | None) -> str | None:
     """`--also-dtype`, checked before anything loads: a non-quantized dtype whose (activations,
     weights) differ from the main build's."""
@@ -508,10 +514,8 @@ def also_dtype_section(build: BenchBuild, runs: dict, concurrency: list[int], fr
             "tau": arm("batch1", "dspark")["tau"],
             "step_ms": step_split(arm("batch1", "dspark")),
             "plain_step_ms_batch1": arm("c1", "plain")["step_ms"]["verify"],
-            "by_concurrency": {str(c): {p: {"aggregate": arm(f"c{c}", p)["aggregate"],
-                                            "per_user": arm(f"c{c}", p)["per_user"],
-                                            "same_as_plain": arm(f"c{c}", p).get("same_as_plain")}
-                                        for p in ("dspark", "plain")} for c in concurrency},
+            "by_concurrency": {str(c): {p: cell_row(arm(f"c{c}", p)) for p in ("dspark", "plain")}
+                               for c in concurrency},
             "greedy_lengths": build.matched,
             "greedy_dspark_equals_plain_batch1": free == build.reference,
             "free_text_same_as_plain_batch1": same_text_share(free, build.reference)}
@@ -796,11 +800,7 @@ def main(args: argparse.Namespace) -> int:
         "batch1_tokens_per_s_T1": None if args.no_t1 else {
             "dspark": runs["batch1_T1_dspark"]["aggregate"], "plain": runs["batch1_T1_plain"]["aggregate"]},
         "tau": runs["batch1_dspark"]["tau"],
-        "by_concurrency": {str(c): {p: {"aggregate": runs[f"c{c}_{p}"]["aggregate"],
-                                        "per_user": runs[f"c{c}_{p}"]["per_user"],
-                                        "same_as_plain": runs[f"c{c}_{p}"].get("same_as_plain")}
-                                    for p in POLICIES}
-                           for c in concurrency},
+        "by_concurrency": {str(c): {p: cell_row(runs[f"c{c}_{p}"]) for p in POLICIES} for c in concurrency},
         "step_ms": step_split(runs["batch1_dspark"]),
         "propose_ms_by_requests": {c: runs[f"c{c}_dspark"]["propose_ms_by_requests"].get(str(c))
                                    for c in map(str, concurrency)},
