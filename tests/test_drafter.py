@@ -153,6 +153,7 @@ def test_sequential_head_reads_previous_token_and_confidence_never_reads_x_k(tar
     for head in ("markov", "rnn", "none"):
         d = make_dspark(target, head)
         start_all(d, prompts, taps, [0, 1])
+        d.kv.check([0, 1])  # `kv` runs the prompts' pending extend: both scores project the same rows
         la, ca = d.score([0, 1], anchors, base)
         lb, cb = d.score([0, 1], anchors, changed)
         # positions 1, 2 read x_0, x_1 only: unchanged; confidence at k = 2 never reads x_2

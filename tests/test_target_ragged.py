@@ -194,6 +194,32 @@ def test_torch_attention_matches_the_kernel_contract(lens):
     assert (ours - ref).abs().max() <= 1e-5
 
 
+@pytest.mark.parametrize("lens", [[6], [4, 2], [1, 1, 1]])
+def test_flash_per_head_layout_matches_the_grouped_layout(lens, monkeypatch):
+    """On the CPU flash path a batch's q goes to SDPA as [R, H, T, hd] with enable_gqa (no copy
+    into the grouped [R, Hkv, G·T, hd] rows, a G-times smaller mask): the same attention, and
+    chosen exactly where `_sdpa` would run the flash kernel (not its two-matmul path)."""
+    from dspark.runtime import attention
+
+    g = torch.Generator().manual_seed(2)
+    n_heads, n_kv, hd, cap, max_len = 9, 3, 16, 4, 64
+    k_cache, v_cache = (torch.randn(cap, n_kv, max_len, hd, generator=g) for _ in range(2))
+    batch = RaggedBatch.from_requests([2, 0, 3][:len(lens)], [[1] * n for n in lens], [30, 9, 17][:len(lens)])
+    q = torch.randn(batch.num_tokens, n_heads, hd, generator=g)
+    args = (batch.seq_idx, batch.positions, batch.cu_seqlens, batch.slots, n_heads // n_kv)
+    per_head = attention.build_attn_meta(*args)
+    assert per_head.per_head and per_head.mask is not None and per_head.mask.shape[2] == max(lens)
+    monkeypatch.setattr(attention, "flash_per_head", lambda *a: False)
+    grouped = attention.build_attn_meta(*args)
+    assert not grouped.per_head and grouped.mask.shape[2] == n_heads // n_kv * max(lens)
+    ours = attention._attend_torch(q, k_cache, v_cache, per_head, hd ** -0.5)
+    assert (ours - attention._attend_torch(q, k_cache, v_cache, grouped, hd ** -0.5)).abs().max() <= 1e-5
+    monkeypatch.undo()
+    cpu = torch.device("cpu")
+    assert not attention.flash_per_head(cpu, 32, 300, 12)  # R·S >= 512, few rows: two matmuls
+    assert attention.flash_per_head(cpu, 1, 300, 18) and attention.flash_per_head(cpu, 32, 300, 3 * 200)
+
+
 def test_length_groups_attend_apart_and_match_one_padded_batch():
     """Requests of very different new-token counts are attended in length groups (one request
     verifying 8 tokens must not pad 31 others to 8 rows); the grouped result equals the kernel

@@ -211,10 +211,9 @@ class SlotContext:
 def segments(cu_seqlens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """For a host cu [R+1]: (request index [N], offset inside its segment [N]) of every flat row."""
     cu = cu_seqlens.cpu()
-    lens = cu[1:] - cu[:-1]
-    n = int(cu[-1])
-    seq = torch.repeat_interleave(torch.arange(lens.numel()), lens, output_size=n)
-    return seq, torch.arange(n) - cu[:-1].repeat_interleave(lens, output_size=n)
+    rows = torch.arange(int(cu[-1]))
+    seq = torch.searchsorted(cu[1:], rows, right=True)  # (empty segments hold no row)
+    return seq, rows - cu.index_select(0, seq)
 
 
 class SlotDrafter:

@@ -103,7 +103,9 @@ class DSparkDrafter(SlotDrafter):
             rows = max(2 * self._rope_cos.shape[0], bound, 1024)
             every = torch.arange(rows, device=self.device)
             self._rope_cos, self._rope_sin = rope_cos_sin(self.model.inv_freq, every, self.dtype)
-        return self._rope_cos[positions], self._rope_sin[positions]
+        flat = positions.reshape(-1)  # index_select: a third of advanced indexing's time on a CPU
+        return (self._rope_cos.index_select(0, flat).view(*positions.shape, -1),
+                self._rope_sin.index_select(0, flat).view(*positions.shape, -1))
 
     def _proj(self, linear: nn.Module, x: torch.Tensor) -> torch.Tensor:
         """linear(x), from the packed weight after `pack_for_inference`."""
@@ -283,23 +285,28 @@ class DSparkDrafter(SlotDrafter):
         mask = (torch.arange(rows, device=dev)[None, :] < (lens + g)[:, None])[:, None, None, :]
         x = m.block_inputs(anchors)
         cos, sin = self._rope(pos, rows)
+        n, cos_all, sin_all = 0, cos.reshape(1, r * g, -1), sin.reshape(1, r * g, -1)
         if ctx is not None:  # [context rows; block rows] flat, for the fused projections
             h_ctx, ctx_cos, ctx_sin, writes = ctx
             n = h_ctx.shape[0]
-            cos_all = torch.cat([ctx_cos, cos.reshape(r * g, -1)])[None]
-            sin_all = torch.cat([ctx_sin, sin.reshape(r * g, -1)])[None]
+            cos_all = torch.cat([ctx_cos, cos_all[0]])[None]
+            sin_all = torch.cat([ctx_sin, sin_all[0]])[None]
         slot_rows = slot_t[:, None].expand(r, g)
         proj, last = self._proj, len(m.draft_layers) - 1
         for i, layer in enumerate(m.draft_layers):
-            h = layer.input_norm(x)
-            if ctx is None:
-                q, k, v = self._qkv(i, layer, h, cos, sin)
-            else:  # the context rows' q is computed and dropped
-                rows_in = torch.cat([h_ctx, h.reshape(r * g, -1)])[None]
-                q, k, v = self._qkv(i, layer, rows_in, cos_all, sin_all)
-                self._write_context(i, k[0], v[0], writes)  # before the block's rows: a
-                # rejected draft's scratch row may sit where the block now starts
-                q, k, v = (t[0, n:].view(r, g, *t.shape[2:]) for t in (q, k, v))
+            # layer 0 sees emb(x0) and G−1 copies of the mask embedding: it norms and projects
+            # the R + 1 distinct rows, then expands them (R·G rows as projected; the rows kernel
+            # gives a row the same bits in any batch). At R 32, γ 7: 33 rows instead of 480.
+            h = layer.input_norm(distinct_block_rows(x) if i == 0 else x.reshape(r * g, -1))
+            rows_in = h if ctx is None else torch.cat([h_ctx, h])  # the context rows' q is dropped
+            q, k, v = self._split(i, "qkv", rows_in, (layer.q_proj, layer.k_proj, layer.v_proj))
+            if i == 0:
+                q, k, v = (torch.cat([t[:n], expand_block_rows(t[n:], r, g)]) for t in (q, k, v))
+            k, v = layer.kv_from(k[None], v[None], cos_all, sin_all)
+            if ctx is not None:  # before the block's rows: a rejected draft's scratch row may
+                self._write_context(i, k[0, :n], v[0, :n], writes)  # sit where the block now starts
+            q = q[n:].view(r, g, -1)
+            k, v = (t[0, n:].view(r, g, *t.shape[2:]) for t in (k, v))
             kv.write(i, slot_rows, pos, k, v)
             keys, vals = kv.read(i, slot_t, first, rows)
             # the last layer's outputs are read at the `width` drafted positions only: positions
@@ -350,7 +357,7 @@ class DSparkDrafter(SlotDrafter):
         idx = (base[:, 0] + self._w2_head(self.model.head.W1(x0))).max(-1).indices  # type: ignore[misc]
         picks = [idx]
         for k in range(1, h.shape[1]):
-            idx = (base[:, k] + self._bigram[idx]).max(-1).indices  # type: ignore[index]
+            idx = self._bigram.index_select(0, idx).add_(base[:, k]).max(-1).indices  # type: ignore[union-attr]
             picks.append(idx)
         tokens = self._token_ids(torch.stack(picks, dim=1))
         return tokens, self._confidence(h, x0, tokens)
@@ -408,6 +415,20 @@ class DSparkDrafter(SlotDrafter):
     # --- persistence ---
     def save(self, folder: str | Path) -> Path:
         return save_dspark(self.model, folder)
+
+
+def distinct_block_rows(x: torch.Tensor) -> torch.Tensor:
+    """The block inputs x [R, G, d] (`DSparkModel.block_inputs`: emb(x0) per request, then the
+    mask embedding) -> their R + 1 distinct rows [R + 1, d]: the anchors, then one mask row
+    (none when G = 1)."""
+    return torch.cat([x[:, 0], x[:1, 1:2].reshape(-1, x.shape[-1])])
+
+
+def expand_block_rows(rows: torch.Tensor, r: int, g: int) -> torch.Tensor:
+    """`distinct_block_rows`' layout [R + 1, D] -> the block's [R·G, D]: each request's anchor
+    row, then the mask row G−1 times."""
+    d = rows.shape[-1]
+    return torch.cat([rows[:r, None], rows[r:r + 1].expand(r, g - 1, d)], dim=1).reshape(r * g, d)
 
 
 def load_dspark(folder: str | Path, target, gamma: int | None = None) -> DSparkDrafter:
