@@ -525,6 +525,31 @@ def test_training_forward_accepts_masked_anchor_zero(target):
         assert h.shape == (1, 2, G, target.config.hidden_size) and torch.isfinite(h).all()
 
 
+@pytest.mark.parametrize("head", ["markov", "rnn"])
+def test_layer0_projects_the_distinct_block_rows_like_all_of_them(target, head):
+    """Layer 0 sees emb(x0) and G−1 copies of the mask embedding: norming and projecting the
+    R + 1 distinct rows and expanding them gives the blocks, confidences and K/V that projecting
+    all R·G rows gives, with and without a pending extend's context rows in the same GEMM."""
+    prompts, taps = prompts_and_taps(target, lengths=(7, 12, 9))
+    drafters = [make_dspark(target, head) for _ in range(2)]
+    drafters[1].distinct_block_rows = False
+    anchors, params, u = torch.tensor([5, 9, 3]), [SamplingParams()] * 3, uniforms(3, 4, seed=3)
+    blocks = []
+    for d in drafters:
+        start_all(d, prompts, taps, [0, 1, 2])
+        first = d.propose([0, 1, 2], anchors, params, u)  # the prompts' extend runs inside it
+        d.extend([0, 2], torch.tensor([5, 6, 9]), torch.cat([taps[0][:2], taps[2][:1]]),
+                 torch.tensor([0, 2, 3]), torch.tensor([2, 1]))
+        blocks.append((first, d.propose([0, 1, 2], anchors, params, u)))
+    for a, b in zip(*blocks):
+        assert torch.equal(a.tokens, b.tokens)
+        assert (a.conf_logits - b.conf_logits).abs().max() <= 1e-5
+    for layer in range(len(drafters[0].kv.k)):
+        for cache in ("k", "v"):
+            ours, ref = (getattr(d.kv, cache)[layer][:3, :, :20] for d in drafters)
+            assert (ours - ref).abs().max() <= 1e-5
+
+
 def test_bench_drafter_smoke(tiny_ckpt, tmp_path):
     """`dspark bench-drafter` end to end on the tiny checkpoint with a random drafter."""
     from dspark.cli import main
@@ -532,9 +557,11 @@ def test_bench_drafter_smoke(tiny_ckpt, tmp_path):
     out = tmp_path / "drafter_step.json"
     assert main(["bench-drafter", "--model", str(tiny_ckpt), "--random", "--requests", "1,2",
                  "--vocab", "0,64", "--context", "8", "--rounds", "1", "--repeats", "1", "--gamma", "4",
-                 "--num-threads", "1", "--out", str(out)]) == 0
+                 "--num-threads", "1", "--all-block-rows", "--out", str(out)]) == 0
     rows = json.loads(out.read_text())["by_requests"]
     assert set(rows) == {"1", "2"}
+    assert rows["2"]["propose_greedy_all_block_rows_ms@64"] > 0
+    assert rows["2"]["all_block_rows_over_distinct@all"] > 0
     assert rows["2"]["propose_greedy_ms@64"] > 0 and rows["1"]["share_of_plain_step@all"] > 0
     assert rows["1"]["target_prefill_ms"] > 0 and 0 < rows["2"]["start_share_of_prefill"]
 

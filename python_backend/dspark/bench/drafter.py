@@ -57,7 +57,7 @@ def fastest(fn, repeats: int) -> float:
 
 
 def measure(target, drafter, num_requests: int, context: int, vocabs: list[int], rounds: int,
-            repeats: int) -> dict:
+            repeats: int, all_block_rows: bool = False) -> dict:
     gamma = drafter.gamma
     slots = [target.allocate() for _ in range(num_requests)]
     prompt = [5 + i % 100 for i in range(context)]
@@ -98,6 +98,8 @@ def measure(target, drafter, num_requests: int, context: int, vocabs: list[int],
             cases["extend_ms"] = extend
         propose = {"greedy": lambda: drafter.propose(slots, anchors, greedy, u),
                    "sampled": lambda: drafter.propose(slots, anchors, sampled, u)}
+        if all_block_rows and hasattr(drafter, "distinct_block_rows"):
+            propose["greedy_all_block_rows"] = lambda: all_rows(drafter, propose["greedy"])
         for k in vocabs:
             for mode, fn in propose.items():
                 cases[f"propose_{mode}_ms@{k or 'all'}"] = (k, fn)
@@ -113,11 +115,24 @@ def measure(target, drafter, num_requests: int, context: int, vocabs: list[int],
         best["start_share_of_prefill"] = best["drafter_start_ms"] / best["target_prefill_ms"]
         best.update({f"share_of_plain_step@{k or 'all'}": best[f"propose_greedy_ms@{k or 'all'}"] / step
                      for k in vocabs})
+        if "greedy_all_block_rows" in propose:
+            for k in [str(k or "all") for k in vocabs]:
+                best[f"all_block_rows_over_distinct@{k}"] = (best[f"propose_greedy_all_block_rows_ms@{k}"]
+                                                             / best[f"propose_greedy_ms@{k}"])
         return best
     finally:
         for s in slots:
             target.release(s)
             drafter.release(s)
+
+
+def all_rows(drafter, fn):
+    """fn() with the drafter's layer 0 projecting all R·G block rows (`distinct_block_rows` off)."""
+    drafter.distinct_block_rows = False
+    try:
+        return fn()
+    finally:
+        drafter.distinct_block_rows = True
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -126,6 +141,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--vocab", default="0,4096", help="draft vocabulary sizes (0 = all tokens)")
     p.add_argument("--context", type=int, default=256, help="cached tokens per request")
     p.add_argument("--random", action="store_true", help="a random drafter of the shipped shape")
+    p.add_argument("--all-block-rows", action="store_true",
+                   help="also time the greedy propose with layer 0 projecting all R·G block rows (the "
+                        "layout before it projected the R + 1 distinct ones)")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--repeats", type=int, default=10)
     p.add_argument("--out", default=None, help="default: results/drafter_step_<model>.json")
@@ -144,7 +162,8 @@ def main(args: argparse.Namespace) -> int:
     vocabs = [int(v) for v in args.vocab.split(",")]
     if not hasattr(drafter, "set_vocab") and vocabs != [0]:
         raise SystemExit(f"--vocab: the {name} drafter has no draft vocabulary; pass --vocab 0")
-    rows = {str(r): measure(target, drafter, r, args.context, vocabs, args.rounds, args.repeats)
+    rows = {str(r): measure(target, drafter, r, args.context, vocabs, args.rounds, args.repeats,
+                            args.all_block_rows)
             for r in tqdm(requests, desc="bench-drafter", unit="R")}
     result = {"model": spec.model, "dtype": str(target.dtype).replace("torch.", ""), "drafter": name,
               "gamma": drafter.gamma, "context": args.context, "threads": torch.get_num_threads(),

@@ -41,6 +41,9 @@ class DSparkDrafter(SlotDrafter):
     to right with nothing but tiny ops per position. No host sync in propose or extend."""
 
     kind = "dspark"
+    # layer 0 norms and projects the block's R + 1 distinct rows, then expands them (`_backbone`);
+    # False projects all R·G rows: the reference `dspark bench-drafter --all-block-rows` times
+    distinct_block_rows = True
 
     def __init__(self, model: DSparkModel, embed_weight: torch.Tensor, lm_head_weight: torch.Tensor,
                  gamma: int | None = None, sts_temperatures: list[float] | None = None,
@@ -297,10 +300,11 @@ class DSparkDrafter(SlotDrafter):
             # layer 0 sees emb(x0) and G−1 copies of the mask embedding: it norms and projects
             # the R + 1 distinct rows, then expands them (R·G rows as projected; the rows kernel
             # gives a row the same bits in any batch). At R 32, γ 7: 33 rows instead of 480.
-            h = layer.input_norm(distinct_block_rows(x) if i == 0 else x.reshape(r * g, -1))
+            distinct = i == 0 and self.distinct_block_rows
+            h = layer.input_norm(distinct_block_rows(x) if distinct else x.reshape(r * g, -1))
             rows_in = h if ctx is None else torch.cat([h_ctx, h])  # the context rows' q is dropped
             q, k, v = self._split(i, "qkv", rows_in, (layer.q_proj, layer.k_proj, layer.v_proj))
-            if i == 0:
+            if distinct:
                 q, k, v = (torch.cat([t[:n], expand_block_rows(t[n:], r, g)]) for t in (q, k, v))
             k, v = layer.kv_from(k[None], v[None], cos_all, sin_all)
             if ctx is not None:  # before the block's rows: a rejected draft's scratch row may
