@@ -532,7 +532,7 @@ def test_layer0_projects_the_distinct_block_rows_like_all_of_them(target, head):
     all R·G rows gives, with and without a pending extend's context rows in the same GEMM."""
     prompts, taps = prompts_and_taps(target, lengths=(7, 12, 9))
     drafters = [make_dspark(target, head) for _ in range(2)]
-    drafters[1].distinct_block_rows = False
+    drafters[1].project_distinct_rows = False
     anchors, params, u = torch.tensor([5, 9, 3]), [SamplingParams()] * 3, uniforms(3, 4, seed=3)
     blocks = []
     for d in drafters:

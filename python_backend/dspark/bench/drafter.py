@@ -98,7 +98,7 @@ def measure(target, drafter, num_requests: int, context: int, vocabs: list[int],
             cases["extend_ms"] = extend
         propose = {"greedy": lambda: drafter.propose(slots, anchors, greedy, u),
                    "sampled": lambda: drafter.propose(slots, anchors, sampled, u)}
-        if all_block_rows and hasattr(drafter, "distinct_block_rows"):
+        if all_block_rows and hasattr(drafter, "project_distinct_rows"):
             propose["greedy_all_block_rows"] = lambda: all_rows(drafter, propose["greedy"])
         for k in vocabs:
             for mode, fn in propose.items():
@@ -127,12 +127,12 @@ def measure(target, drafter, num_requests: int, context: int, vocabs: list[int],
 
 
 def all_rows(drafter, fn):
-    """fn() with the drafter's layer 0 projecting all R·G block rows (`distinct_block_rows` off)."""
-    drafter.distinct_block_rows = False
+    """fn() with the drafter's layer 0 projecting all R·G block rows (`project_distinct_rows` off)."""
+    drafter.project_distinct_rows = False
     try:
         return fn()
     finally:
-        drafter.distinct_block_rows = True
+        drafter.project_distinct_rows = True
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

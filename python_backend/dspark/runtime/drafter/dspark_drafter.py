@@ -43,7 +43,7 @@ class DSparkDrafter(SlotDrafter):
     kind = "dspark"
     # layer 0 norms and projects the block's R + 1 distinct rows, then expands them (`_backbone`);
     # False projects all R·G rows: the reference `dspark bench-drafter --all-block-rows` times
-    distinct_block_rows = True
+    project_distinct_rows = True
 
     def __init__(self, model: DSparkModel, embed_weight: torch.Tensor, lm_head_weight: torch.Tensor,
                  gamma: int | None = None, sts_temperatures: list[float] | None = None,
@@ -300,7 +300,7 @@ class DSparkDrafter(SlotDrafter):
             # layer 0 sees emb(x0) and G−1 copies of the mask embedding: it norms and projects
             # the R + 1 distinct rows, then expands them (R·G rows as projected; the rows kernel
             # gives a row the same bits in any batch). At R 32, γ 7: 33 rows instead of 480.
-            distinct = i == 0 and self.distinct_block_rows
+            distinct = i == 0 and self.project_distinct_rows
             h = layer.input_norm(distinct_block_rows(x) if distinct else x.reshape(r * g, -1))
             rows_in = h if ctx is None else torch.cat([h_ctx, h])  # the context rows' q is dropped
             q, k, v = self._split(i, "qkv", rows_in, (layer.q_proj, layer.k_proj, layer.v_proj))
