@@ -104,6 +104,35 @@ def test_profile_sps_on_tiny_checkpoint(tiny_ckpt, tmp_path):
     assert table.device.startswith("cpu") and str(tiny_ckpt) in table.model
     assert f"cpu:{cpu_name()} " in table.device  # the CPU kind, not just 'x86_64'
     assert out.with_suffix(".png").stat().st_size > 0
+    assert json.loads(out.read_text())["timing"] == "paired"  # the default
+    fastest = profile_sps.profile(tiny_ckpt, [1, 4], context=16, repeats=2, show_progress=False,
+                                  timing="fastest")
+    assert fastest.batch_tokens == [1, 4] and all(s > 0 for s in fastest.steps_per_second)
+    with pytest.raises(ValueError, match="timing"):
+        profile_sps.profile(tiny_ckpt, [1], context=16, timing="slowest")
+    with pytest.raises(ValueError, match="repeats"):
+        profile_sps.profile(tiny_ckpt, [1], context=16, repeats=0)
+
+
+def test_paired_timing_reads_every_size_at_one_machine_speed():
+    """A VM whose speed drifts by ±30 % over the profile, a period of 1.3 rounds, plus a burst of
+    load on one step: each size's fastest round catches sizes at different speeds and prices a
+    bigger step cheaper than a smaller one; timing each step between two reference steps
+    recovers the true shape, at the fastest reference's speed."""
+    from dspark.bench.sps import paired_seconds
+
+    true = 0.040 + 0.0025 * np.arange(12) ** 1.2  # 12 sizes: a rising, convex cost
+    rounds, n = 5, len(true)
+    clock = np.linspace(0.0, rounds, rounds * (2 * n + 1), endpoint=False)  # ref, step, ref, ... ref
+    speed = (1.0 + 0.3 * np.sin(2 * np.pi * clock / 1.3)).reshape(rounds, 2 * n + 1)
+    refs, steps = true[0] * speed[:, 0::2], true * speed[:, 1::2]
+    steps[2, 3] *= 1.5  # a burst of load from another process
+    fastest = steps.min(axis=0)
+    assert not bool(np.all(np.diff(fastest) > 0))  # the failure this timing exists for
+    paired = paired_seconds(steps, refs[:, :-1], refs[:, 1:])
+    assert bool(np.all(np.diff(paired) > 0))
+    np.testing.assert_allclose(paired / paired[0], true / true[0], rtol=0.01)
+    assert paired[0] == pytest.approx(refs.min(), rel=0.02)
 
 
 def test_cpu_name_reads_the_model_and_matmul_flags(tmp_path):

@@ -4,8 +4,12 @@ One engine step = `TargetEngine.verify` of a ragged batch of R = ceil(B / tokens
 requests holding B new tokens in total (what a speculative step sends: anchor + drafts),
 each request sitting on a cached context of `--context` tokens. After every timed step
 the slots are rolled back, so every repeat sees the same context lengths. Repeats run in
-rounds over all sizes and the fastest is kept per size (on a shared machine, other
-processes only ever add time). Writes
+rounds over all sizes. A VM's speed drifts by tens of percent over minutes, so by default
+(`--timing paired`) every step is timed between two reference steps (the smallest B, a plain
+decoding step) and priced as the median over rounds of its time ÷ theirs, times the fastest
+reference step: every size is then read at one machine speed. `--timing fastest` keeps each
+size's fastest round instead (other processes only ever add time), which on a drifting VM
+catches sizes at different speeds (a 4-token step priced dearer than a 6-token one). Writes
 sps.json (device, model, batch_tokens, steps_per_second) and a PNG of SPS and step time.
 `--model` (default smollm2, in `--dtype auto`: what the server runs) goes through
 `dspark.wiring` like every entry point; the default output is the table wiring looks up for
@@ -25,6 +29,7 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import torch
 from tqdm import tqdm
 
@@ -74,12 +79,26 @@ def grid_lengths(num_requests: int, tokens: int, mixed: bool = True) -> list[int
     return pairs + [tokens] * (num_requests % 2)
 
 
+def paired_seconds(elapsed: np.ndarray, before: np.ndarray, after: np.ndarray) -> np.ndarray:
+    """One step time per batch from [rounds, batches] wall times, each timed between two
+    reference steps (`before`, `after`, same shape): the median over rounds of elapsed ÷ the
+    mean of its two references, times the fastest reference step of the run. The references
+    cancel the machine's drift to first order (a VM's speed moves by tens of percent over a
+    profile), the median drops a round a burst of load hit, and the one scale prices every size
+    at the same, fastest, machine speed."""
+    elapsed, before, after = (np.asarray(a, dtype=np.float64) for a in (elapsed, before, after))
+    ratios = np.median(2.0 * elapsed / (before + after), axis=0)
+    return ratios * float(min(before.min(), after.min()))
+
+
 def profile(target_path: str | Path, sizes: list[int], context: int = 256, tokens_per_request: int = 4,
             repeats: int = 5, warmup: int = 1, seed: int = 0, show_progress: bool = True,
             dtype: str = "auto", ragged_requests: list[int] | None = None,
-            ragged_tokens: list[int] | None = None, mixed: bool = True) -> SPSTable:
-    """Fastest of `repeats` verify() wall times per B -> SPSTable (on a shared machine other
-    processes only ever add time, so the minimum is the step's own cost). `target_path`: a
+            ragged_tokens: list[int] | None = None, mixed: bool = True,
+            timing: str = "paired") -> SPSTable:
+    """verify() wall time per B over `repeats` rounds -> SPSTable. `timing`: "paired" (each step
+    between two reference steps of the smallest B, `paired_seconds`) or "fastest" (each size's
+    fastest round: on a shared machine other processes only ever add time). `target_path`: a
     model name or folder, loaded through `dspark.wiring` in `dtype` (auto, fp32, bf16, q4_1).
     With `ragged_requests` and `ragged_tokens`, also the table's ragged grid: R requests of t
     new tokens each on average (`grid_lengths`: mixed unless mixed=False), for every R and t,
@@ -117,18 +136,37 @@ def profile(target_path: str | Path, sizes: list[int], context: int = 256, token
         tokens = [torch.randint(0, engine.vocab_size, (n,), generator=gen).tolist()
                   for n in grid_lengths(r, t, mixed)]
         batches.append(RaggedBatch.from_requests(chosen, tokens, [cached[s] for s in chosen]))
-    best = [float("inf")] * len(batches)
+    if timing not in ("paired", "fastest"):
+        raise ValueError(f"timing must be 'paired' or 'fastest', not {timing!r}")
+    if repeats < 1:
+        raise ValueError(f"repeats must be >= 1, not {repeats}")
+
+    def timed(batch: RaggedBatch) -> float:
+        t0 = time.perf_counter()
+        engine.verify(batch)
+        elapsed = time.perf_counter() - t0
+        for slot in batch.slots.tolist():
+            engine.rollback(slot, cached[slot])
+        return elapsed
+
+    reference = batches[min(range(len(sizes)), key=lambda i: sizes[i])]  # a plain decoding step at B = 1
+    elapsed = np.zeros((repeats, len(batches)))
+    refs = np.zeros((repeats, len(batches) + 1))  # refs[k, i], refs[k, i + 1]: around step i of round k
     # Rounds over ALL sizes (not all repeats of one size in a row): a burst of load from
     # other processes then slows every size a little instead of one size a lot.
     for round_no in tqdm(range(warmup + repeats), desc="profile-sps rounds", disable=not show_progress):
+        k = round_no - warmup
+        ref = timed(reference) if timing == "paired" else 0.0
         for i, batch in enumerate(batches):
-            t0 = time.perf_counter()
-            engine.verify(batch)
-            elapsed = time.perf_counter() - t0
-            for slot in batch.slots.tolist():
-                engine.rollback(slot, cached[slot])
-            if round_no >= warmup:
-                best[i] = min(best[i], elapsed)
+            step = timed(batch)
+            after = timed(reference) if timing == "paired" else 0.0
+            if k >= 0:
+                elapsed[k, i], refs[k, i], refs[k, i + 1] = step, ref, after
+            ref = after
+    if timing == "paired":
+        best = paired_seconds(elapsed, refs[:, :-1], refs[:, 1:]).tolist()
+    else:
+        best = elapsed.min(axis=0).tolist()
     speeds = [1.0 / t for t in best[:len(sizes)]]
     ragged = None
     if grid:
@@ -170,8 +208,10 @@ def plot(tables: dict[str, SPSTable], out_png: str | Path) -> None:
         ax.set_xlabel("token batch size B = Σ(1 + ℓ_r)")
         ax.set_ylabel(ylabel)
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
-    fig.suptitle("target engine step speed (next-bucket lookup)")
+        if len(tables) > 1:  # one table: its name is the title (a device string is too long for a legend)
+            ax.legend(fontsize=8)
+    names = "" if len(tables) > 1 else f"\n{next(iter(tables))}"
+    fig.suptitle(f"target engine step speed (next-bucket lookup){names}", fontsize=10)
     fig.tight_layout()
     fig.savefig(out_png, dpi=120)
     plt.close(fig)
@@ -192,6 +232,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="a grid cell's requests: alternately 1 and 2t-1 tokens (mixed, as dspark's "
                         "budgets are) or t each")
     p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--timing", choices=["paired", "fastest"], default="paired",
+                   help="paired: every step between two B=1 reference steps, median ratio x the fastest "
+                        "reference (robust to a drifting VM); fastest: each size's fastest round")
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--threads", type=int, default=1, help="torch CPU threads")
     p.add_argument("--out", default=None,
@@ -216,7 +259,7 @@ def main(args: argparse.Namespace) -> int:
         table = profile(target, sizes, args.context, args.tokens_per_request, args.repeats, args.warmup,
                         dtype=args.dtype, ragged_requests=_ints(args.ragged_requests) or None,
                         ragged_tokens=_ints(args.ragged_tokens) or None,
-                        mixed=args.grid_lengths == "mixed")
+                        mixed=args.grid_lengths == "mixed", timing=args.timing)
     except (ValueError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -227,7 +270,7 @@ def main(args: argparse.Namespace) -> int:
     table.save(out)
     record = json.loads(Path(out).read_text())  # the table plus how it was measured
     record.update({"context": args.context, "tokens_per_request": args.tokens_per_request,
-                   "repeats": args.repeats, "torch": torch.__version__,
+                   "repeats": args.repeats, "timing": args.timing, "torch": torch.__version__,
                    "load_average_1min": round(os.getloadavg()[0], 2)})
     Path(out).write_text(json.dumps(record, indent=2) + "\n")
     plot({f"{table.device}": table}, args.plot or str(Path(out).with_suffix(".png")))
