@@ -21,7 +21,7 @@ cost of B tokens depends on how many sequences hold them (each reads its own K/V
 fixed split. `rates_for(R)` reads the grid at R (linear in step time between profiled R and
 tokens per request, linear extrapolation past the largest of each); without a grid it is the
 table by B. Each R's curve over t >= 2 tokens per request is read CONVEX (`smooth_by_tokens`):
-one profiled cell is the fastest of a few steps on a shared CPU and is off by a few ms, and read
+one profiled cell is measured over a few steps on a shared CPU and is off by a few ms, and read
 raw those errors are fake cheap segments (R = 32: the 4th token per request priced at a third of
 the 3rd) that Θ's argmax jumps across, admitting tokens that do not pay. The table file keeps
 the raw measurements.
@@ -150,8 +150,8 @@ class SPSTable:
                    d.get("model", "unknown"), d.get("padded"), d.get("ragged"))
 
 
-# how far `smooth_by_tokens` may price a profiled cell under its measurement: a cell is the
-# fastest of a few steps on a shared CPU, off by a few ms (up to ~10 % of a step)
+# how far `smooth_by_tokens` may price a profiled cell under its measurement: a cell is
+# measured over a few steps on a shared CPU, off by a few ms (up to ~10 % of a step)
 SMOOTH_MAX_CUT = 0.10
 
 
