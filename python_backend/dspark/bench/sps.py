@@ -104,6 +104,10 @@ def profile(target_path: str | Path, sizes: list[int], context: int = 256, token
     new tokens each on average (`grid_lengths`: mixed unless mixed=False), for every R and t,
     on contexts staggered from `context` down to half of it and in slots out of order, as a live
     batch sits (masked attention, K/V gathered per slot)."""
+    if timing not in ("paired", "fastest"):
+        raise ValueError(f"timing must be 'paired' or 'fastest', not {timing!r}")
+    if repeats < 1:
+        raise ValueError(f"repeats must be >= 1, not {repeats}")
     ragged_requests, ragged_tokens = ragged_requests or [], ragged_tokens or []
     grid = [(r, t) for r in ragged_requests for t in ragged_tokens]
     flat_requests = max(len(split_tokens(b, tokens_per_request)) for b in sizes)
@@ -136,10 +140,6 @@ def profile(target_path: str | Path, sizes: list[int], context: int = 256, token
         tokens = [torch.randint(0, engine.vocab_size, (n,), generator=gen).tolist()
                   for n in grid_lengths(r, t, mixed)]
         batches.append(RaggedBatch.from_requests(chosen, tokens, [cached[s] for s in chosen]))
-    if timing not in ("paired", "fastest"):
-        raise ValueError(f"timing must be 'paired' or 'fastest', not {timing!r}")
-    if repeats < 1:
-        raise ValueError(f"repeats must be >= 1, not {repeats}")
 
     def timed(batch: RaggedBatch) -> float:
         t0 = time.perf_counter()
