@@ -34,4 +34,6 @@ echo "[setup] default model (SmolLM2-135M-Instruct) in models/"
 # fp32 matmuls on AVX2 CPUs can run our own small kernel (kernels/cpu/rows_gemm.c): built now,
 # else on first use; without a C compiler oneDNN runs them (docs/architecture.md "Serving matmuls").
 $VPY -c 'from dspark.runtime import cpu_gemm; print("[setup] rows_gemm kernel:", "built" if cpu_gemm.library() else "not built here (oneDNN serves fp32)")'
+# bf16 matmuls on AVX512-BF16 CPUs (no AMX) likewise (kernels/cpu/bf16_dot_gemm.c).
+$VPY -c 'from dspark.runtime import cpu_gemm; print("[setup] bf16_dot_gemm kernel:", "built" if cpu_gemm.dot_library() else "not built here (no AVX512-BF16: oneDNN serves bf16)")'
 echo "[setup] done: $($VPY -c 'import torch, dspark; print("torch", torch.__version__, "dspark", dspark.__version__)')"

@@ -1,11 +1,13 @@
 """The rows kernel (kernels/cpu/rows_gemm.c via dspark.runtime.cpu_gemm) against F.linear, its
-batch invariance, its bf16-weight entry against the fp32 one, and the rule that picks it
-(`linear.cpu_gemm_choice`)."""
+batch invariance, its bf16-weight entry against the fp32 one; the bf16 dot-product kernel
+(kernels/cpu/bf16_dot_gemm.c, AVX512-BF16 CPUs only) against F.linear and its batch invariance;
+and the rule that picks them (`linear.cpu_gemm_choice`)."""
 
 from __future__ import annotations
 
 import argparse
 import json
+from contextlib import contextmanager
 
 import pytest
 import torch
@@ -16,6 +18,21 @@ from dspark.runtime import cpu_gemm, linear
 
 needs_kernel = pytest.mark.skipif(cpu_gemm.library() is None,
                                   reason="no C compiler or no AVX2 + FMA on this machine")
+
+
+@contextmanager
+def torch_threads(n: int):
+    """torch's CPU thread count set to n inside the block, restored after."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+needs_dot_kernel = pytest.mark.skipif(cpu_gemm.dot_library() is None,
+                                      reason="no C compiler or no AVX512-BF16 on this machine")
 
 
 @needs_kernel
@@ -46,12 +63,8 @@ def test_rows_linear_is_batch_invariant():
     for i in (0, 5, 6, 22):
         assert torch.equal(lin(x[i:i + 1])[0], full[i])
         assert torch.equal(lin(x[max(0, i - 3):i + 1])[-1], full[i])
-    threads = torch.get_num_threads()
-    try:
-        torch.set_num_threads(2)
+    with torch_threads(2):
         assert torch.equal(lin(x), full)
-    finally:
-        torch.set_num_threads(threads)
 
 
 @needs_kernel
@@ -118,29 +131,36 @@ def test_bf16_pack_rounds_to_nearest_even():
 
 
 def test_cpu_gemm_choice_only_where_measured(monkeypatch):
-    """fp32 on an AVX2-only CPU runs the rows kernel; bf16 and other CPUs keep oneDNN, unless
-    DSPARK_CPU_GEMM says so (fp32 only); serving_linear follows the choice."""
+    """fp32 on an AVX2-only CPU runs the rows kernel, bf16 on an AVX512-BF16 CPU without AMX the
+    dot-product kernel; the rest keeps oneDNN, unless DSPARK_CPU_GEMM says so (bf16 only where
+    the dot kernel can run); serving_linear follows the choice."""
     monkeypatch.delenv("DSPARK_CPU_GEMM", raising=False)
     avx2, bf16_cpu = {"avx2", "fma"}, {"avx2", "fma", "avx512f", "avx512_bf16"}
+    amx = bf16_cpu | {"amx_bf16"}
     assert linear.cpu_gemm_choice(torch.float32, avx2) == "rows"
     assert linear.cpu_gemm_choice(torch.bfloat16, avx2) == "onednn"
     assert linear.cpu_gemm_choice(torch.float32, bf16_cpu) == "onednn"
+    assert linear.cpu_gemm_choice(torch.bfloat16, bf16_cpu) == "rows"
+    assert linear.cpu_gemm_choice(torch.bfloat16, amx) == "onednn"
     monkeypatch.setenv("DSPARK_CPU_GEMM", "rows")
     assert linear.cpu_gemm_choice(torch.float32, bf16_cpu) == "rows"
-    assert linear.cpu_gemm_choice(torch.bfloat16, bf16_cpu) == "onednn"
+    assert linear.cpu_gemm_choice(torch.bfloat16, amx) == "rows"
+    assert linear.cpu_gemm_choice(torch.bfloat16, avx2) == "onednn"
     if cpu_gemm.library() is not None:
         assert isinstance(linear.serving_linear(torch.randn(8, 16)), cpu_gemm.RowsLinear)
+    if cpu_gemm.dot_library() is not None:
+        assert isinstance(linear.serving_linear(torch.randn(8, 16).bfloat16()), cpu_gemm.DotBf16Linear)
     monkeypatch.setenv("DSPARK_CPU_GEMM", "onednn")
+    assert linear.cpu_gemm_choice(torch.bfloat16, bf16_cpu) == "onednn"
     assert not isinstance(linear.serving_linear(torch.randn(8, 16)), cpu_gemm.RowsLinear)
+    assert not isinstance(linear.serving_linear(torch.randn(8, 16).bfloat16()), cpu_gemm.DotBf16Linear)
     monkeypatch.setenv("DSPARK_CPU_GEMM", "blas")
     with pytest.raises(ValueError, match="DSPARK_CPU_GEMM"):
         linear.cpu_gemm_choice(torch.float32, avx2)
 
 
-@needs_kernel
-def test_bench_cpu_gemm_writes_every_kernel(tmp_path):
-    """`dspark bench-cpu-gemm --without-prefetch --bf16-weights` on a tiny Llama-shaped config: all
-    four kernels timed at every row count, their paired ratios, and the exactness checks, in the JSON."""
+def _tiny_bench(tmp_path):
+    """A tiny Llama-shaped config.json folder and `dspark bench-cpu-gemm`'s argument parser."""
     folder = tmp_path / "tiny"
     folder.mkdir()
     (folder / "config.json").write_text(json.dumps({
@@ -148,6 +168,14 @@ def test_bench_cpu_gemm_writes_every_kernel(tmp_path):
         "intermediate_size": 96, "vocab_size": 100}))
     p = argparse.ArgumentParser()
     bench.add_arguments(p)
+    return folder, p
+
+
+@needs_kernel
+def test_bench_cpu_gemm_writes_every_kernel(tmp_path):
+    """`dspark bench-cpu-gemm --without-prefetch --bf16-weights` on a tiny Llama-shaped config: all
+    four kernels timed at every row count, their paired ratios, and the exactness checks, in the JSON."""
+    folder, p = _tiny_bench(tmp_path)
     out = tmp_path / "cg.json"
     args = p.parse_args(["--model", str(folder), "--rows", "1,4", "--rounds", "2", "--without-prefetch",
                          "--bf16-weights", "--out", str(out)])
@@ -160,3 +188,68 @@ def test_bench_cpu_gemm_writes_every_kernel(tmp_path):
     assert result["rows_no_prefetch_bit_identical"] and result["rows_batch_invariant"]
     assert result["rows_bf16_bit_identical_to_rows_on_bf16_values"]
     assert out.with_suffix(".png").is_file()
+
+
+@needs_dot_kernel
+@pytest.mark.parametrize("n,k", [(40, 64), (17, 33), (1, 5), (130, 576), (70, 1536)])
+def test_dot_bf16_linear_matches_f_linear(n, k):
+    """Every shape (N not a multiple of the 64-column group, K odd, rows not a multiple of the
+    6-row tile), with and without bias, leading dims kept: the fp32 sum rounded once to bf16, so
+    within one bf16 rounding (2^-8 relative) of the exact product, as F.linear's bf16 output."""
+    g = torch.Generator().manual_seed(n * 1000 + k)
+    w, b = torch.randn(n, k, generator=g).bfloat16(), torch.randn(n, generator=g)
+    for bias in (None, b):
+        lin = cpu_gemm.DotBf16Linear(w, bias)
+        for rows in (1, 2, 3, 4, 5, 6, 7, 8, 9, 13, 31):
+            x = torch.randn(rows, 2, k, generator=g).bfloat16()[:, 1]  # not contiguous
+            y = lin(x)
+            assert y.dtype == torch.bfloat16 and y.shape == (rows, n)
+            exact = F.linear(x.double(), w.double(), None if bias is None else bias.double())
+            assert ((y.double() - exact).abs() <= exact.abs() * 2 ** -8 + 1e-5 * k).all()
+        assert lin(x[:, None]).shape == (rows, 1, n)
+        assert lin(x[:0]).shape == (0, n)
+
+
+@needs_dot_kernel
+def test_dot_bf16_linear_is_batch_invariant():
+    """A row's bf16 output is bit-identical alone, in any batch (every tile shape), and with more
+    threads: a speculative verify computes exactly the logits plain decoding computes."""
+    torch.manual_seed(3)
+    w, x = torch.randn(200, 576).bfloat16(), torch.randn(23, 576).bfloat16()
+    lin = cpu_gemm.DotBf16Linear(w, torch.randn(200))
+    full = lin(x)
+    for m in range(1, 24):
+        assert torch.equal(lin(x[:m]), full[:m])
+    for i in (0, 5, 6, 22):
+        assert torch.equal(lin(x[i:i + 1])[0], full[i])
+    with torch_threads(2):
+        assert torch.equal(lin(x), full)
+
+
+@needs_dot_kernel
+def test_dot_bf16_linear_rejects_what_it_cannot_run():
+    lin = cpu_gemm.DotBf16Linear(torch.randn(8, 16).bfloat16())
+    with pytest.raises(ValueError, match="bf16"):
+        lin(torch.randn(2, 16))
+    with pytest.raises(ValueError, match=r"\[\.\.\., 16\]"):
+        lin(torch.randn(2, 15).bfloat16())
+    with pytest.raises(ValueError, match="bf16 CPU weight"):
+        cpu_gemm.DotBf16Linear(torch.randn(8, 16))
+
+
+@needs_dot_kernel
+def test_bench_cpu_gemm_bf16_writes_both_kernels(tmp_path):
+    """`dspark bench-cpu-gemm --dtype bf16` on a tiny Llama-shaped config: oneDNN and the dot
+    kernel timed at every row count, their paired ratios and the exactness checks in the JSON;
+    the fp32-only options are refused with it."""
+    folder, p = _tiny_bench(tmp_path)
+    out = tmp_path / "cg.json"
+    args = p.parse_args(["--model", str(folder), "--dtype", "bf16", "--rows", "1,7", "--rounds", "2",
+                         "--out", str(out)])
+    assert bench.main(args) == 0
+    result = json.loads(out.read_text())
+    assert result["dtype"] == "bf16" and result["rows_kernel"] == "bf16_dot_gemm"
+    assert set(result["ms"]) == {"onednn", "rows"} and set(result["onednn_over_rows_paired"]) == {"1", "7"}
+    assert result["rows_batch_invariant"] and result["rows_max_abs_err_vs_f_linear"] < 0.1
+    with pytest.raises(SystemExit, match="--bf16-weights"):
+        bench.main(p.parse_args(["--model", str(folder), "--dtype", "bf16", "--bf16-weights"]))

@@ -133,6 +133,35 @@ def test_bf16_greedy_equals_transformers_bf16_or_diverges_at_a_measured_tie(smol
     print(report)
 
 
+def test_bf16_verify_computes_plain_decodings_logits_bit_for_bit(smollm2_folder, prompts):
+    """Where our CPU kernels serve bf16 (an AVX512-BF16 CPU: `DotBf16Linear` matmuls and
+    `cpu_attention`, each row computed alone), verifying a 12-token continuation in one forward
+    gives exactly the logits that decoding it token by token gives: a speculative verify and
+    plain decoding agree bit for bit, not just up to ties. The continuation is plain greedy's."""
+    from dspark.runtime import cpu_attention
+
+    engine = TargetEngine.from_pretrained(smollm2_folder, capacity=2, max_seq_len=640, dtype=torch.bfloat16)
+    if not engine.cpu_attention:
+        pytest.skip("our bf16 CPU kernels do not serve here (they need AVX512-BF16 without AMX)")
+    assert cpu_attention.library() is not None
+    prompt, n = prompts["chat"], 12
+    plain, verify = engine.allocate(), engine.allocate()
+    logits, _ = engine.prefill([plain, verify], [prompt, prompt])
+    tokens, rows = [int(logits[0].argmax())], []
+    for _ in range(n - 1):
+        step, _ = engine.verify(RaggedBatch.from_requests([plain], [tokens[-1:]], [engine.length(plain)]))
+        rows.append(step[0])
+        tokens.append(int(step[0].argmax()))
+    block, _ = engine.verify(RaggedBatch.from_requests([verify], [tokens[:-1]], [engine.length(verify)]))
+    assert torch.equal(block, torch.stack(rows))
+    # and inside a ragged batch beside another request's single token
+    engine.rollback(verify, len(prompt))
+    engine.rollback(plain, len(prompt) + 3)
+    mixed, _ = engine.verify(RaggedBatch.from_requests([plain, verify], [tokens[3:4], tokens[:6]],
+                                                       [engine.length(plain), engine.length(verify)]))
+    assert torch.equal(mixed[1:], torch.stack(rows[:6])) and torch.equal(mixed[0], rows[3])
+
+
 def test_chat_template_renders_like_transformers(smollm2_folder):
     from transformers import AutoTokenizer
 

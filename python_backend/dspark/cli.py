@@ -16,7 +16,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "bench-scheduler": ("dspark.bench.scheduler", "scheduler decide() latency per policy"),
     "bench-drafter": ("dspark.bench.drafter", "one drafting step against one target step"),
     "bench-min-rows": ("dspark.bench.min_rows", "bf16 matmuls padded to a few rows: verify, decode"),
-    "bench-cpu-gemm": ("dspark.bench.cpu_gemm", "fp32 rows kernel vs oneDNN over a forward's projections"),
+    "bench-cpu-gemm": ("dspark.bench.cpu_gemm", "our CPU matmul kernels vs oneDNN (fp32, --dtype bf16)"),
     "bench-triton": ("dspark.bench.triton_overhead", "serving through Triton vs the same engine in process"),
     "profile-sps": ("dspark.bench.sps", "profile target steps/second vs token batch size"),
     "simulate": ("dspark.tools.simulate", "serving simulator over scheduler policies"),

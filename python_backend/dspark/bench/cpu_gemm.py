@@ -1,13 +1,16 @@
 """`dspark bench-cpu-gemm`: our fp32 rows kernel (`dspark.runtime.cpu_gemm`) against oneDNN's
-prepacked matmul on this CPU, over one forward's projections of the model (every layer's
-qkv, o, gate_up and down, then the LM head; weights of those shapes) at the row counts a decode,
+prepacked matmul on this CPU (`--dtype bf16`: our bf16 dot-product kernel for AVX512-BF16 CPUs
+against oneDNN's bf16 matmul as served, short row counts padded to `linear.BF16_MIN_ROWS`),
+over one forward's projections of the model (every layer's qkv, o, gate_up and down, then the
+LM head; weights of those shapes) at the row counts a decode,
 a verify, a batched step and a prefill send. `--without-prefetch` adds our kernel built without
 its prefetch of the next column blocks (what the prefetch buys); `--bf16-weights` our kernel
 over the same weights rounded to bf16 (half the bytes to stream; fp32 arithmetic). They run
 interleaved in rounds, each round starting with the next one (drift hits all alike); per row
 count the median over rounds. Also checks the kernel against F.linear, its batch invariance,
 and that the build without prefetch computes the same bits. Writes
-results/cpu_gemm_<model>_cpu_<kind>.json and a PNG beside it.
+results/cpu_gemm_<model>_cpu_<kind>.json (bf16: cpu_gemm_<model>_bf16_cpu_<kind>.json) and a PNG
+beside it.
 """
 
 from __future__ import annotations
@@ -40,11 +43,11 @@ def projection_shapes(config: dict) -> list[tuple[str, int, int, int]]:
             ("down", d, inter, layers), ("lm_head", config["vocab_size"], d, 1)]
 
 
-def forward_ms(fns: list[tuple[list, int]], rows: int) -> float:
+def forward_ms(fns: list[tuple[list, int]], rows: int, dtype: torch.dtype = torch.float32) -> float:
     """Wall time of one pass over every projection at `rows` rows."""
     total = 0.0
     for group, k in fns:
-        x = torch.randn(rows, k)
+        x = torch.randn(rows, k).to(dtype)
         t0 = time.perf_counter()
         for f in group:
             f(x)
@@ -55,6 +58,8 @@ def forward_ms(fns: list[tuple[list, int]], rows: int) -> float:
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="smollm2", help="smollm2 or a Hugging Face folder (its config.json)")
     p.add_argument("--num-threads", type=int, default=1)
+    p.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32",
+                   help="bf16: our AVX512-BF16 dot-product kernel against oneDNN's bf16 matmul")
     p.add_argument("--rows", default="1,2,3,4,5,6,7,8,12,16,32,64,128,256")
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--without-prefetch", action="store_true",
@@ -65,7 +70,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    if cpu_gemm.library() is None:
+    bf16 = args.dtype == "bf16"
+    if bf16 and cpu_gemm.dot_library() is None:
+        raise SystemExit("dspark bench-cpu-gemm --dtype bf16: the bf16 dot-product kernel cannot be built "
+                         "here (needs a C compiler and an x86 CPU with AVX512-BF16)")
+    if bf16 and (args.without_prefetch or args.bf16_weights):
+        raise SystemExit("dspark bench-cpu-gemm: --without-prefetch and --bf16-weights time the fp32 "
+                         "kernel; leave them out with --dtype bf16")
+    if not bf16 and cpu_gemm.library() is None:
         raise SystemExit("dspark bench-cpu-gemm: the rows kernel cannot be built here "
                          "(needs a C compiler and an x86 CPU with AVX2 + FMA)")
     torch.set_num_threads(args.num_threads)
@@ -73,9 +85,10 @@ def main(args: argparse.Namespace) -> int:
     config = json.loads((folder / "config.json").read_text())
     shapes = projection_shapes(config)
     torch.manual_seed(0)
-    weights = [([torch.randn(n, k) * 0.02 for _ in range(count)], k) for _, n, k, count in shapes]
-    kernels: dict[str, Callable[[torch.Tensor], object]] = {"onednn": linear.PackedLinear,
-                                                            "rows": cpu_gemm.RowsLinear}
+    dtype = torch.bfloat16 if bf16 else torch.float32
+    weights = [([(torch.randn(n, k) * 0.02).to(dtype) for _ in range(count)], k) for _, n, k, count in shapes]
+    kernels: dict[str, Callable[[torch.Tensor], object]] = {
+        "onednn": linear.PackedLinear, "rows": cpu_gemm.DotBf16Linear if bf16 else cpu_gemm.RowsLinear}
     variant = None
     if args.without_prefetch:
         variant = cpu_gemm.library(("ROWS_GEMM_NO_PREFETCH",))
@@ -85,9 +98,9 @@ def main(args: argparse.Namespace) -> int:
     if args.bf16_weights:
         kernels["rows_bf16"] = lambda w: cpu_gemm.RowsLinear(w.bfloat16())
     fns = {name: [([make(w) for w in group], k) for group, k in weights] for name, make in kernels.items()}
-    w, x = weights[3][0][0], torch.randn(13, weights[3][1])  # one down_proj: the longest K
-    rows_lin = cpu_gemm.RowsLinear(w)
-    max_err = float((rows_lin(x) - F.linear(x, w)).abs().max())
+    w, x = weights[3][0][0], torch.randn(13, weights[3][1]).to(dtype)  # one down_proj: the longest K
+    rows_lin = kernels["rows"](w)
+    max_err = float((rows_lin(x).float() - F.linear(x, w).float()).abs().max())
     invariant = all(torch.equal(rows_lin(x[i:i + 1])[0], rows_lin(x)[i]) for i in range(13))
     counts = [int(r) for r in args.rows.split(",") if r]
     times: dict[str, dict[int, list[float]]] = {name: {r: [] for r in counts} for name in kernels}
@@ -96,8 +109,8 @@ def main(args: argparse.Namespace) -> int:
         order = names[rnd % len(names):] + names[:rnd % len(names)]
         for r in counts:
             for name in order:
-                forward_ms(fns[name], r)  # warm: oneDNN builds a primitive per row count
-                times[name][r].append(forward_ms(fns[name], r))
+                forward_ms(fns[name], r, dtype)  # warm: oneDNN builds a primitive per row count
+                times[name][r].append(forward_ms(fns[name], r, dtype))
     ms = {name: {str(r): statistics.median(v) for r, v in t.items()} for name, t in times.items()}
 
     def paired(slow: str, fast: str) -> dict[str, float]:
@@ -118,17 +131,20 @@ def main(args: argparse.Namespace) -> int:
     key = "smollm2" if args.model == "smollm2" else folder.name
     result = {
         "what": "one forward's projections (every layer's qkv, o, gate_up, down, then the LM head), "
-                "fp32 weights of the model's shapes (rows_bf16: the same rounded to bf16), ms per pass; "
-                "median over interleaved rounds",
+                f"{args.dtype} weights and activations of the model's shapes (rows_bf16: fp32 weights "
+                "rounded to bf16), ms per pass; median over interleaved rounds",
+        "dtype": args.dtype, "rows_kernel": "bf16_dot_gemm" if bf16 else "rows_gemm",
+        "bf16_min_rows": linear.BF16_MIN_ROWS if bf16 else None,
         "model": key, "shapes": [{"name": s[0], "out": s[1], "in": s[2], "count": s[3]} for s in shapes],
         "cpu": cpu_name(), "cpu_kind": linear.THIS_CPU_KIND, "threads": args.num_threads,
-        "pack_rows_hint": linear.pack_rows_hint(torch.float32), "rounds": args.rounds,
+        "pack_rows_hint": linear.pack_rows_hint(dtype), "rounds": args.rounds,
         "ms": ms, "onednn_over_rows_paired": ratio,
         "rows_max_abs_err_vs_f_linear": max_err, "rows_batch_invariant": invariant, **extra,
         "torch": torch.__version__,
     }
     kind = linear.THIS_CPU_KIND or "other"
-    out = Path(args.out) if args.out else paths.RESULTS / f"cpu_gemm_{key}_cpu_{kind}.json"
+    tag = "_bf16" if bf16 else ""
+    out = Path(args.out) if args.out else paths.RESULTS / f"cpu_gemm_{key}{tag}_cpu_{kind}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=1) + "\n")
     plot(result, out.with_suffix(".png"))
@@ -152,7 +168,8 @@ def plot(result: dict, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(6, 4))
-    for name, label in (("onednn", "oneDNN prepacked"), ("rows", "rows kernel (ours)"),
+    ours = f"ours ({result.get('rows_kernel', 'rows_gemm')})"
+    for name, label in (("onednn", "oneDNN prepacked"), ("rows", ours),
                         ("rows_no_prefetch", "rows kernel without prefetch"),
                         ("rows_bf16", "rows kernel, bf16 weights")):
         if name not in result["ms"]:
@@ -163,7 +180,7 @@ def plot(result: dict, path: Path) -> None:
     ax.set_yscale("log")
     ax.set_xlabel("rows (tokens in the step)")
     ax.set_ylabel("ms per forward's projections")
-    ax.set_title(f"fp32 projections, {result['model']}, {result['cpu_kind']} CPU, "
+    ax.set_title(f"{result.get('dtype', 'fp32')} projections, {result['model']}, {result['cpu_kind']} CPU, "
                  f"{result['threads']} thread(s)")
     ax.legend()
     fig.tight_layout()

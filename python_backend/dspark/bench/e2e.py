@@ -880,7 +880,7 @@ def plot(result: dict, path: Path) -> None:
     ax2.legend(fontsize=8)
     cfg = result["config"]
     fig.suptitle(f"{cfg['model']} ({cfg['dtype']}), drafter {cfg['drafter']}, γ {cfg['gamma']}, "
-                 f"{cfg['threads']} threads", fontsize=9)
+                 f"{cfg['threads']} thread{'s' if cfg['threads'] != 1 else ''}", fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

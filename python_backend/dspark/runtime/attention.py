@@ -1,7 +1,8 @@
 """Attention over the fixed-slot KV cache for a flattened ragged batch (docs/architecture.md
 §4): `build_attn_meta` describes the batch once per forward (`AttnMeta`: masks, padding, length
 groups), `attention_backend` runs every layer's attention with it: the Triton varlen kernel
-(`dspark_kernels`) on CUDA, torch SDPA or two batched matmuls (`_sdpa`) otherwise.
+(`dspark_kernels`) on CUDA, our C kernel (`dspark.runtime.cpu_attention`) for bf16 decodes and
+verifies on an AVX512-BF16 CPU, torch SDPA or two batched matmuls (`_sdpa`) otherwise.
 """
 
 from __future__ import annotations
@@ -11,6 +12,8 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
+
+from dspark.runtime import cpu_attention
 
 
 @dataclass
@@ -38,6 +41,9 @@ class AttnMeta:
     # q as [R, H, T_max, hd] and GQA inside the flash kernel (`flash_per_head`), not the query
     # heads of a kv head stacked into G*T_max rows
     per_head: bool = False
+    # run by `dspark.runtime.cpu_attention` (bf16 CPU, decodes and verifies): only tok_slot and
+    # positions are read, so no mask, padding or groups are built
+    cpu_kernel: bool = False
     _bias: dict[torch.dtype, torch.Tensor] = field(default_factory=dict, repr=False)
 
     def bias(self, dtype: torch.dtype) -> torch.Tensor | None:
@@ -88,11 +94,14 @@ def length_groups(lens: list[int]) -> list[list[int]] | None:
 
 
 def build_attn_meta(seq_idx, positions, cu_seqlens, slots, n_groups: int,
-                    device: torch.device | str | None = None, group: bool = True) -> AttnMeta:
+                    device: torch.device | str | None = None, group: bool = True,
+                    cpu_kernel: bool = False) -> AttnMeta:
     """Describe a ragged batch for every layer. The arguments are the batch's HOST tensors (the
     scalars below are read from them, so no device sync); tensors the layers index with are
     moved to `device` (default: where `positions` is). group=False: one padded batch even when
-    `length_groups` would split it."""
+    `length_groups` would split it. cpu_kernel=True (the caller's q and cache are what
+    `cpu_attention.enabled` says): batches of at most `cpu_attention.MAX_NEW_TOKENS` new tokens
+    a request go to that kernel."""
     device = positions.device if device is None else torch.device(device)
     r = slots.numel()
     lens = cu_seqlens[1:] - cu_seqlens[:-1]
@@ -105,6 +114,9 @@ def build_attn_meta(seq_idx, positions, cu_seqlens, slots, n_groups: int,
     if _use_varlen_kernel(device):
         return AttnMeta(tok_slot, dev(positions), dev(seq_idx), dev(cu_seqlens), dev(slots), max_new, kv_len,
                         None, None, None)
+    if cpu_kernel and max_new <= cpu_attention.MAX_NEW_TOKENS:
+        return AttnMeta(tok_slot, dev(positions), dev(seq_idx), dev(cu_seqlens), dev(slots), max_new, kv_len,
+                        None, None, None, cpu_kernel=True)
     if max_new == 1 and int(positions.min()) == kv_len - 1:
         # one new token per request, all at the same position: every key is visible, no mask
         return AttnMeta(tok_slot, dev(positions), dev(seq_idx), dev(cu_seqlens), dev(slots), max_new, kv_len,
@@ -240,6 +252,8 @@ def attention_backend(q, k_cache, v_cache, meta: AttnMeta, scale: float) -> torc
     Kernel contract: varlen_attention(q [N,H,hd] contiguous, k_cache, v_cache [C,Hkv,S,hd],
     tok_slot [N], positions [N], cu_seqlens [R+1], slots [R], scale, max_new) -> [N,H,hd];
     token i attends to rows 0..positions[i] of slot tok_slot[i]."""
+    if meta.cpu_kernel:
+        return cpu_attention.cached_attention(q, k_cache, v_cache, meta.tok_slot, meta.positions, scale)
     if meta.mask is None and meta.pad_index is None and meta.groups is None and _use_varlen_kernel(q.device):
         return _load_varlen_kernel()(q.contiguous(), k_cache, v_cache, meta.tok_slot, meta.positions,
                                      meta.cu_seqlens, meta.slots, scale, meta.max_new)

@@ -1,6 +1,7 @@
 """Serving projections x [..., in] -> [..., out] over weights a model already owns: `Dense`
 (F.linear), `PackedLinear` (oneDNN-prepacked, CPU), `dspark.runtime.cpu_gemm.RowsLinear` (our fp32
-kernel for AVX2 CPUs) and the rule that picks one
+kernel for AVX2 CPUs), `dspark.runtime.cpu_gemm.DotBf16Linear` (our bf16 kernel for AVX512-BF16
+CPUs) and the rule that picks one
 (`serving_linear`); `dspark.runtime.quant.Int4Linear` is the int4 drop-in with the same call.
 Used by the target's fused layout (`dspark.runtime.model`) and the DSpark drafter.
 """
@@ -19,7 +20,8 @@ from dspark.runtime import cpu_gemm
 
 class Projection(Protocol):
     """A serving projection x [..., in] -> [..., out]: `Dense`, `PackedLinear`,
-    `dspark.runtime.cpu_gemm.RowsLinear` or `dspark.runtime.quant.Int4Linear`."""
+    `dspark.runtime.cpu_gemm.RowsLinear`, `dspark.runtime.cpu_gemm.DotBf16Linear` or
+    `dspark.runtime.quant.Int4Linear`."""
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor: ...
 
@@ -153,35 +155,49 @@ BF16_MIN_ROWS = bf16_min_rows()  # read by every bf16 PackedLinear call (`dspark
 
 
 def cpu_gemm_choice(dtype: torch.dtype, flags: set[str] | None = None) -> str:
-    """Which kernels run a CPU weight of `dtype`: "rows" (our `dspark.runtime.cpu_gemm` kernel) for
-    fp32 on an AVX2-only CPU, where oneDNN's fp32 kernels scale badly with rows: all 30 SmolLM2
-    layers' matmuls and the LM head (AVX2 AMD EPYC, 1 thread) took 22.6 / 32.7 / 44.9 ms at 1 / 4 /
-    8 rows against oneDNN's 38.6 / 50.8 / 63.5, and 772.8 against 898.7 ms at 256 rows (`dspark
-    bench-cpu-gemm`, README "Serving matmuls"); "onednn" elsewhere (not measured there).
-    `DSPARK_CPU_GEMM=rows|onednn` overrides; `flags` default to this CPU's."""
+    """Which kernels run a CPU weight of `dtype`: "rows" (our `dspark.runtime.cpu_gemm` kernels)
+    - for fp32 on an AVX2-only CPU, where oneDNN's fp32 kernels scale badly with rows: all 30
+      SmolLM2 layers' matmuls and the LM head (AVX2 AMD EPYC, 1 thread) took 22.6 / 32.7 / 44.9 ms
+      at 1 / 4 / 8 rows against oneDNN's 38.6 / 50.8 / 63.5, and 772.8 against 898.7 ms at 256
+      rows (`dspark bench-cpu-gemm`, README "Serving matmuls");
+    - for bf16 on an AVX512-BF16 CPU without AMX, where oneDNN streams a few rows' weights at
+      ~60 % of the memory's pace: the same projections (AMD EPYC, 1 thread) in bf16 took about
+      11-12 ms from 1 to 6 rows against oneDNN's 18-21 (`dspark bench-cpu-gemm --dtype bf16`);
+    "onednn" elsewhere (AMX CPUs were not measured). `DSPARK_CPU_GEMM=rows|onednn` overrides
+    (rows: fp32 where the AVX2 kernel runs, bf16 where the AVX512-BF16 one does); `flags` default
+    to this CPU's."""
     env = os.environ.get("DSPARK_CPU_GEMM", "")
+    kind = THIS_CPU_KIND if flags is None else cpu_kind(flags)
     if env:
         if env not in ("rows", "onednn"):
             raise ValueError(f"DSPARK_CPU_GEMM must be rows or onednn, got {env!r}")
-        return env if dtype == torch.float32 else "onednn"
-    kind = THIS_CPU_KIND if flags is None else cpu_kind(flags)
-    return "rows" if dtype == torch.float32 and kind == "avx2" else "onednn"
+        if dtype == torch.bfloat16 and kind not in ("avx512bf16", "amx"):
+            return "onednn"
+        return env if dtype in (torch.float32, torch.bfloat16) else "onednn"
+    if dtype == torch.float32 and kind == "avx2" or dtype == torch.bfloat16 and kind == "avx512bf16":
+        return "rows"
+    return "onednn"
 
 
 def serving_cpu_gemm(dtype: torch.dtype) -> str:
-    """What runs this process's CPU weights of `dtype`: `cpu_gemm_choice`, or "onednn" where the
-    rows kernel cannot be built (recorded in SPS tables and bench results)."""
+    """What runs this process's CPU weights of `dtype`: `cpu_gemm_choice`, or "onednn" where our
+    kernel for it cannot be built (recorded in SPS tables and bench results)."""
     choice = cpu_gemm_choice(dtype)
-    return choice if choice != "rows" or cpu_gemm.library() is not None else "onednn"
+    if choice != "rows":
+        return choice
+    lib = cpu_gemm.dot_library() if dtype == torch.bfloat16 else cpu_gemm.library()
+    return "rows" if lib is not None else "onednn"
 
 
 def serving_linear(weight: torch.Tensor, bias: torch.Tensor | None = None,
                    prepack: bool = True) -> Projection:
-    """The fastest projection for this weight on CPU: our rows kernel (`cpu_gemm_choice`) or
+    """The fastest projection for this weight on CPU: our kernels (`cpu_gemm_choice`) or
     oneDNN-prepacked in fp32 / bf16; else Dense (also with prepack=False: torch.compile with
     freezing packs the weights itself)."""
     on_cpu = prepack and weight.device.type == "cpu"
     if on_cpu and serving_cpu_gemm(weight.dtype) == "rows":
+        if weight.dtype == torch.bfloat16:
+            return cpu_gemm.DotBf16Linear(weight, bias)
         return cpu_gemm.RowsLinear(weight, bias)
     cpu_packable = (on_cpu and (weight.dtype == torch.float32 and torch.backends.mkldnn.is_available()
                                 or weight.dtype == torch.bfloat16 and has_bf16_matmul()))

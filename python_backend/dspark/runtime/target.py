@@ -9,6 +9,7 @@ from pathlib import Path
 
 import torch
 
+from dspark.runtime import cpu_attention
 from dspark.runtime.attention import build_attn_meta
 from dspark.runtime.batch import RaggedBatch
 from dspark.runtime.config import ModelConfig
@@ -78,6 +79,9 @@ class TargetEngine:
         self.cache = KVCache(config.num_hidden_layers, capacity, config.num_key_value_heads, max_seq_len,
                              config.head_dim, device=device, dtype=dtype)
         self.n_groups = config.num_attention_heads // config.num_key_value_heads
+        # decodes and verifies through our C attention where it runs (bf16 on an AVX512-BF16 CPU)
+        self.cpu_attention = cpu_attention.enabled(self.device, dtype, config.num_attention_heads,
+                                                   config.num_key_value_heads, config.head_dim)
 
     @classmethod
     def from_pretrained(cls, path: str | Path, capacity: int = 8, max_seq_len: int = 1024,
@@ -187,7 +191,7 @@ class TargetEngine:
         starts = batch.positions[batch.cu_seqlens[:-1]].tolist()
         self._check_slots(slots, starts, lens)
         meta = build_attn_meta(batch.seq_idx, batch.positions, batch.cu_seqlens, batch.slots, self.n_groups,
-                               self.device)
+                               self.device, cpu_kernel=self.cpu_attention)
         tokens = batch.tokens.to(self.device, non_blocking=True)
         logits, taps, _ = self._forward_ragged(
             tokens, meta, self.cache.k, self.cache.v,

@@ -1,0 +1,147 @@
+/* Attention of a flattened ragged batch's bf16 queries over the fixed-slot bf16 KV cache, on an
+ * x86 CPU with AVX512 (python_backend/dspark/runtime/cpu_attention.py builds and calls it;
+ * `dspark.runtime.attention._attend_torch`, torch SDPA, is its reference).
+ *
+ * Token i, query head h reads keys 0..positions[i] of slot tok_slot[i], kv head h / G:
+ *     out = Σ_j softmax_j(scale · q·k_j) v_j
+ * with the scores, their softmax and the weighted sum in fp32, rounded once to bf16. Each
+ * (token, kv head) is computed alone, in key order, whatever else is in the batch: a token's
+ * output is bit-identical in a one-token decode and in an 8-token verify (batch invariance),
+ * and no padding, mask or length grouping is needed for ragged batches.
+ *
+ * Layouts (element strides; every tensor bf16 except the int64 indices):
+ *   q         [N, H, hd]          token stride q_stride (q may be a view into q|k|v), head stride hd
+ *   k, v      [C, Hkv, S, hd]     contiguous (dspark.runtime.kv_cache)
+ *   tok_slot  [N] int64, positions [N] int64
+ *   out       [N, H, hd]          contiguous
+ * hd is a multiple of 16 and at most 256. */
+#include <immintrin.h>
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+
+#define MAX_HD 256
+#define MAX_G 16 /* query heads per kv head */
+
+/* 16 bf16 -> 16 fp32 (exact: a bf16 is the top half of an fp32) */
+static inline __m512 widen(const uint16_t *p) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
+}
+
+/* 16 fp32 -> 16 bf16, rounded to nearest even (finite inputs) */
+static inline __m256i narrow(__m512 x) {
+    __m512i u = _mm512_castps_si512(x);
+    __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+    u = _mm512_add_epi32(u, _mm512_add_epi32(_mm512_set1_epi32(0x7fff), lsb));
+    return _mm512_cvtepi32_epi16(_mm512_srli_epi32(u, 16));
+}
+
+/* e^x for x <= 0: 2^n · e^r, n = round(x / ln 2), |r| <= ln 2 / 2, e^r by its degree-6 Taylor
+ * polynomial (relative error < 2e-7); below -87 the result is 0 */
+static inline __m512 exp_neg(__m512 x) {
+    const __m512 log2e = _mm512_set1_ps(1.44269504f), ln2 = _mm512_set1_ps(0.693147181f);
+    __mmask16 tiny = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.0f), _CMP_LT_OQ);
+    __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, log2e), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(n, ln2, x);
+    __m512 p = _mm512_set1_ps(1.0f / 720);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+    return _mm512_maskz_mov_ps(~tiny, _mm512_scalef_ps(p, n));
+}
+
+/* v[0..15] -> one vector of their 16 lane sums, in order (sum t = Σ lanes of v[t]): a transpose
+ * tree of 4 levels of adds, each sum over its own lanes in the same order wherever it sits, so a
+ * key's score does not depend on its neighbours */
+static inline __m512 sum16(__m512 *v) {
+    __m512 r[8], t[4], u[2];
+    for (int i = 0; i < 8; i++) /* lanes 0-7: key 2i, 8-15: key 2i+1 */
+        r[i] = _mm512_add_ps(_mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0x44),
+                             _mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0xEE));
+    for (int i = 0; i < 4; i++) /* 128-bit block c: key 4i + c */
+        t[i] = _mm512_add_ps(_mm512_shuffle_f32x4(r[2 * i], r[2 * i + 1], 0x88),
+                             _mm512_shuffle_f32x4(r[2 * i], r[2 * i + 1], 0xDD));
+    for (int i = 0; i < 2; i++) /* block c, lanes 0-1: key 8i + c, lanes 2-3: key 8i + 4 + c */
+        u[i] = _mm512_add_ps(_mm512_shuffle_ps(t[2 * i], t[2 * i + 1], 0x44),
+                             _mm512_shuffle_ps(t[2 * i], t[2 * i + 1], 0xEE));
+    /* block c, lane l: key 4l + c */
+    __m512 w = _mm512_add_ps(_mm512_shuffle_ps(u[0], u[1], 0x88), _mm512_shuffle_ps(u[0], u[1], 0xDD));
+    const __m512i order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+    return _mm512_permutexvar_ps(order, w);
+}
+
+/* one token's G query heads over one kv head's keys 0..keys-1; s: scratch of G * keys floats */
+static void attend(const uint16_t *q, int64_t g, int64_t hd, const uint16_t *k, const uint16_t *v, int64_t keys,
+                   float scale, float *s, uint16_t *out) {
+    int64_t vecs = hd / 16;
+    for (int64_t a = 0; a < g; a++) {
+        __m512 qv[MAX_HD / 16];
+        for (int64_t c = 0; c < vecs; c++) qv[c] = _mm512_mul_ps(widen(q + a * hd + c * 16), _mm512_set1_ps(scale));
+        float *sa = s + a * keys;
+        __m512 tops = _mm512_set1_ps(-INFINITY);
+        for (int64_t j0 = 0; j0 < keys; j0 += 16) { /* 16 keys' scores at a time */
+            int64_t nk = keys - j0 < 16 ? keys - j0 : 16;
+            __m512 acc[16];
+            for (int64_t t = 0; t < 16; t++) {
+                acc[t] = _mm512_setzero_ps();
+                if (t < nk) {
+                    const uint16_t *kj = k + (j0 + t) * hd;
+                    for (int64_t c = 0; c < vecs; c++) acc[t] = _mm512_fmadd_ps(qv[c], widen(kj + c * 16), acc[t]);
+                }
+            }
+            __mmask16 live = (__mmask16)((1u << nk) - 1);
+            __m512 sc = sum16(acc);
+            _mm512_mask_storeu_ps(sa + j0, live, sc);
+            tops = _mm512_mask_max_ps(tops, live, tops, sc);
+        }
+        float top = _mm512_reduce_max_ps(tops);
+        /* e_j = exp(s_j - max), summed 16 lanes at a time in key order */
+        __m512 sum = _mm512_setzero_ps(), m = _mm512_set1_ps(top);
+        int64_t j = 0;
+        for (; j + 16 <= keys; j += 16) {
+            __m512 e = exp_neg(_mm512_sub_ps(_mm512_loadu_ps(sa + j), m));
+            _mm512_storeu_ps(sa + j, e);
+            sum = _mm512_add_ps(sum, e);
+        }
+        if (j < keys) {
+            __mmask16 rest = (__mmask16)((1u << (keys - j)) - 1);
+            __m512 e = _mm512_maskz_mov_ps(rest, exp_neg(_mm512_sub_ps(_mm512_maskz_loadu_ps(rest, sa + j), m)));
+            _mm512_mask_storeu_ps(sa + j, rest, e);
+            sum = _mm512_add_ps(sum, e);
+        }
+        __m512 inv = _mm512_set1_ps(1.0f / _mm512_reduce_add_ps(sum));
+        __m512 o[MAX_HD / 16];
+        for (int64_t c = 0; c < vecs; c++) o[c] = _mm512_setzero_ps();
+        for (int64_t jj = 0; jj < keys; jj++) {
+            __m512 p = _mm512_set1_ps(sa[jj]);
+            const uint16_t *vj = v + jj * hd;
+            for (int64_t c = 0; c < vecs; c++) o[c] = _mm512_fmadd_ps(p, widen(vj + c * 16), o[c]);
+        }
+        for (int64_t c = 0; c < vecs; c++)
+            _mm256_storeu_si256((__m256i *)(out + a * hd + c * 16), narrow(_mm512_mul_ps(o[c], inv)));
+    }
+}
+
+/* returns 0, or -1 when hd / G are outside what it handles (the caller checks them first) */
+int cached_attention_bf16(const uint16_t *q, int64_t q_stride, const uint16_t *k, const uint16_t *v,
+                          const int64_t *tok_slot, const int64_t *positions, uint16_t *out, int64_t n, int64_t h,
+                          int64_t hkv, int64_t s_max, int64_t hd, float scale, int threads) {
+    int64_t g = h / hkv;
+    if (hd % 16 || hd > MAX_HD || g > MAX_G || g * hkv != h) return -1;
+#pragma omp parallel num_threads(threads) if (threads > 1)
+    {
+        float *s = malloc(sizeof(float) * g * s_max);
+#pragma omp for schedule(static)
+        for (int64_t w = 0; w < n * hkv; w++) {
+            int64_t i = w / hkv, kvh = w % hkv;
+            const uint16_t *kb = k + (tok_slot[i] * hkv + kvh) * s_max * hd;
+            const uint16_t *vb = v + (tok_slot[i] * hkv + kvh) * s_max * hd;
+            if (s) attend(q + i * q_stride + kvh * g * hd, g, hd, kb, vb, positions[i] + 1, scale, s, out + (i * h + kvh * g) * hd);
+        }
+        free(s);
+    }
+    return 0;
+}

@@ -1,0 +1,79 @@
+"""`cached_attention`: a ragged batch's bf16 attention over the fixed-slot KV cache on an x86 CPU
+with AVX512, through our own small C kernel (kernels/cpu/cached_attention.c, built like the
+matmul kernels by `dspark.runtime.cpu_gemm.build`, called through ctypes). Each token's heads
+read their slot's keys 0..position in order, fp32 softmax, one rounding to bf16: a token's output
+is bit-identical whatever else is in the batch (a verify attends exactly as plain decoding
+does), and a ragged batch needs no padding, mask or length groups. ATen's CPU flash kernel is
+built for long query blocks; with the few query rows of a decode or a verify its per-call cost
+dominated (README "Attention on an AVX512-BF16 CPU"). `attention._attend_torch` is the reference
+(tests/test_cpu_attention.py)."""
+
+from __future__ import annotations
+
+import ctypes
+from functools import lru_cache
+
+import torch
+
+from dspark import paths
+from dspark.runtime import cpu_gemm
+
+SOURCE = paths.REPO_ROOT / "kernels" / "cpu" / "cached_attention.c"
+FLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-fopenmp", "-shared", "-fPIC"]
+MAX_NEW_TOKENS = 64  # longest request (new tokens) it runs; longer ones (prefills) keep ATen's flash kernel
+
+
+@lru_cache(maxsize=1)
+def library() -> ctypes.CDLL | None:
+    """The kernel library, or None where it cannot run here (no AVX512, or no build)."""
+    from dspark.runtime.linear import cpu_flags
+
+    if not {"avx512f", "avx512bw", "avx512vl"} <= cpu_flags() or not SOURCE.exists():
+        return None
+    path = cpu_gemm.build(source=SOURCE, base_flags=FLAGS)
+    if path is None:
+        return None
+    lib = ctypes.CDLL(str(path))
+    ptr, i64 = ctypes.c_void_p, ctypes.c_int64
+    lib.cached_attention_bf16.argtypes = [ptr, i64, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64,
+                                          ctypes.c_float, ctypes.c_int]
+    lib.cached_attention_bf16.restype = ctypes.c_int
+    return lib
+
+
+def enabled(device: torch.device, dtype: torch.dtype, heads: int, kv_heads: int, head_dim: int) -> bool:
+    """Whether a target engine sends its decodes and verifies here: bf16 on the CPU where our bf16
+    matmul kernel serves too (`linear.serving_cpu_gemm`: an AVX512-BF16 CPU without AMX, unless
+    DSPARK_CPU_GEMM=onednn), head_dim a multiple of 16 up to 256, at most 16 query heads per kv
+    head, and the kernel built."""
+    from dspark.runtime.linear import serving_cpu_gemm
+
+    return (device.type == "cpu" and dtype == torch.bfloat16 and serving_cpu_gemm(dtype) == "rows"
+            and head_dim % 16 == 0 and head_dim <= 256 and heads % kv_heads == 0 and heads // kv_heads <= 16
+            and library() is not None)
+
+
+def cached_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, tok_slot: torch.Tensor,
+                     positions: torch.Tensor, scale: float) -> torch.Tensor:
+    """q [N, H, hd] bf16 (heads contiguous; tokens may be strided), k_cache / v_cache [C, Hkv, S, hd]
+    bf16 contiguous, tok_slot / positions [N] int64 (CPU) -> [N, H, hd]: token i attends to rows
+    0..positions[i] of slot tok_slot[i] (`enabled` says where it runs)."""
+    lib = library()
+    n, h, hd = q.shape
+    if lib is None or q.dtype != torch.bfloat16 or k_cache.dtype != torch.bfloat16 or q.stride(2) != 1 \
+            or q.stride(1) != hd or not (k_cache.is_contiguous() and v_cache.is_contiguous()) \
+            or v_cache.shape != k_cache.shape or q.device.type != "cpu":
+        raise ValueError(f"cached_attention takes bf16 CPU q [N, H, hd] with contiguous heads and contiguous "
+                         f"bf16 caches (kernel built: {lib is not None}), got q {q.dtype} "
+                         f"{tuple(q.shape)} stride {q.stride()}, cache {k_cache.dtype} "
+                         f"{tuple(k_cache.shape)}")
+    out = torch.empty(n, h, hd, dtype=q.dtype)
+    if n:
+        tok_slot, positions = tok_slot.contiguous(), positions.contiguous()
+        rc = lib.cached_attention_bf16(q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(),
+                                       tok_slot.data_ptr(), positions.data_ptr(), out.data_ptr(), n, h,
+                                       k_cache.shape[1], k_cache.shape[2], hd, scale, torch.get_num_threads())
+        if rc != 0:
+            raise ValueError(f"cached_attention: unsupported shape q {tuple(q.shape)}, "
+                             f"cache {tuple(k_cache.shape)}")
+    return out

@@ -1,0 +1,120 @@
+"""Our bf16 CPU attention (kernels/cpu/cached_attention.c via dspark.runtime.cpu_attention) against
+the exact attention and torch's path (`attention._attend_torch`), its batch invariance over
+ragged batches, the meta that routes to it, and where an engine enables it."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dspark.runtime import attention, cpu_attention
+from dspark.runtime.batch import RaggedBatch
+
+needs_kernel = pytest.mark.skipif(cpu_attention.library() is None,
+                                  reason="no C compiler or no AVX512 on this machine")
+
+
+def _exact(q, k_cache, v_cache, slots, positions, scale):
+    """float64 reference: token i over keys 0..positions[i] of its slot, query head h on kv head h // G."""
+    g = q.shape[1] // k_cache.shape[1]
+    out = []
+    for i in range(q.shape[0]):
+        k = k_cache[slots[i], :, :positions[i] + 1].double().repeat_interleave(g, 0)
+        v = v_cache[slots[i], :, :positions[i] + 1].double().repeat_interleave(g, 0)
+        scores = torch.einsum("hd,hkd->hk", q[i].double(), k) * scale
+        out.append(torch.einsum("hk,hkd->hd", scores.softmax(-1), v))
+    return torch.stack(out)
+
+
+def _case(lens, starts, slots, heads=9, kv=3, hd=64, cap=5, max_len=600, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    k_cache, v_cache = (torch.randn(cap, kv, max_len, hd, generator=g).bfloat16() for _ in range(2))
+    batch = RaggedBatch.from_requests(slots, [[1] * n for n in lens], starts)
+    qkv = torch.randn(batch.num_tokens, heads + 2 * kv, hd, generator=g).bfloat16()
+    return batch, qkv[:, :heads], k_cache, v_cache  # q strided over tokens, as the model passes it
+
+
+@needs_kernel
+@pytest.mark.parametrize("lens, starts, slots", [([1], [300], [2]), ([6], [17], [0]),
+                                                 ([1, 6, 3], [300, 17, 550], [2, 0, 4]),
+                                                 ([2] * 4 + [9], [0, 31, 5, 100, 7], [1, 3, 0, 2, 4])])
+@pytest.mark.parametrize("hd", [64, 32])
+def test_matches_exact_attention_and_torchs_path(lens, starts, slots, hd):
+    """Within one bf16 rounding of the exact attention (torch's bf16 path, which rounds its
+    probabilities to bf16 too, is further off) on decodes, verifies and ragged batches (keys not
+    a multiple of 16, slots out of order, position 0)."""
+    batch, q, k_cache, v_cache = _case(lens, starts, slots, hd=hd)
+    meta = attention.build_attn_meta(batch.seq_idx, batch.positions, batch.cu_seqlens, batch.slots, 3,
+                                     cpu_kernel=True)
+    assert meta.cpu_kernel and meta.mask is None and meta.pad_index is None and meta.groups is None
+    scale = hd ** -0.5
+    ours = attention.attention_backend(q, k_cache, v_cache, meta, scale)
+    exact = _exact(q, k_cache, v_cache, meta.tok_slot, meta.positions, scale)
+    torch_path = attention._attend_torch(q, k_cache, v_cache, attention.build_attn_meta(
+        batch.seq_idx, batch.positions, batch.cu_seqlens, batch.slots, 3), scale)
+    ours_err, torch_err = (ours.double() - exact).abs(), (torch_path.double() - exact).abs()
+    assert (ours_err <= exact.abs() * 2 ** -8 + 1e-4).all()  # the output's one rounding
+    assert ours_err.max() <= torch_err.max()  # torch's bf16 path rounds its probabilities too
+
+
+@needs_kernel
+def test_a_tokens_output_is_the_same_in_any_batch():
+    """Bit-identical alone, inside a ragged batch, and with two threads."""
+    batch, q, k_cache, v_cache = _case([1, 6, 3], [300, 17, 550], [2, 0, 4])
+    meta = attention.build_attn_meta(batch.seq_idx, batch.positions, batch.cu_seqlens, batch.slots, 3,
+                                     cpu_kernel=True)
+    full = cpu_attention.cached_attention(q, k_cache, v_cache, meta.tok_slot, meta.positions, 0.125)
+    for i in range(q.shape[0]):
+        alone = cpu_attention.cached_attention(q[i:i + 1], k_cache, v_cache, meta.tok_slot[i:i + 1],
+                                               meta.positions[i:i + 1], 0.125)
+        assert torch.equal(alone[0], full[i])
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        assert torch.equal(cpu_attention.cached_attention(q, k_cache, v_cache, meta.tok_slot, meta.positions,
+                                                          0.125), full)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_meta_routes_only_short_requests_to_the_kernel():
+    """cpu_kernel=True builds the mask-free meta for up to MAX_NEW_TOKENS new tokens a request;
+    a longer one (a prefill) keeps torch's path and its mask."""
+    n = cpu_attention.MAX_NEW_TOKENS
+    short = RaggedBatch.from_requests([0, 1], [[1] * n, [1]], [0, 5])
+    long = RaggedBatch.from_requests([0], [[1] * (n + 1)], [0])
+    meta = attention.build_attn_meta(short.seq_idx, short.positions, short.cu_seqlens, short.slots, 3,
+                                     cpu_kernel=True)
+    assert meta.cpu_kernel and meta.mask is None
+    meta = attention.build_attn_meta(long.seq_idx, long.positions, long.cu_seqlens, long.slots, 3,
+                                     cpu_kernel=True)
+    assert not meta.cpu_kernel and meta.mask is not None
+    plain = attention.build_attn_meta(short.seq_idx, short.positions, short.cu_seqlens, short.slots, 3)
+    assert not plain.cpu_kernel
+
+
+@needs_kernel
+def test_rejects_what_it_cannot_run():
+    batch, q, k_cache, v_cache = _case([2], [4], [0])
+    pos, slot = batch.positions, batch.slots[batch.seq_idx]
+    with pytest.raises(ValueError, match="bf16"):
+        cpu_attention.cached_attention(q.float(), k_cache, v_cache, slot, pos, 0.125)
+    with pytest.raises(ValueError, match="contiguous"):
+        cpu_attention.cached_attention(q, k_cache.transpose(2, 3), v_cache, slot, pos, 0.125)
+    odd = torch.zeros(2, 9, 24, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="unsupported shape"):
+        narrow_k, narrow_v = k_cache[..., :24].contiguous(), v_cache[..., :24].contiguous()
+        cpu_attention.cached_attention(odd, narrow_k, narrow_v, slot, pos, 0.125)
+
+
+def test_enabled_only_for_bf16_where_our_matmul_kernel_serves(monkeypatch):
+    cpu = torch.device("cpu")
+    monkeypatch.setattr("dspark.runtime.linear.serving_cpu_gemm", lambda dtype: "rows")
+    monkeypatch.setattr(cpu_attention, "library", lambda: object())
+    assert cpu_attention.enabled(cpu, torch.bfloat16, 9, 3, 64)
+    assert not cpu_attention.enabled(cpu, torch.float32, 9, 3, 64)
+    assert not cpu_attention.enabled(cpu, torch.bfloat16, 9, 3, 72)  # head_dim not a multiple of 16
+    assert not cpu_attention.enabled(cpu, torch.bfloat16, 40, 2, 64)  # 20 query heads a kv head
+    assert not cpu_attention.enabled(torch.device("meta"), torch.bfloat16, 9, 3, 64)
+    monkeypatch.setattr("dspark.runtime.linear.serving_cpu_gemm", lambda dtype: "onednn")
+    assert not cpu_attention.enabled(cpu, torch.bfloat16, 9, 3, 64)
