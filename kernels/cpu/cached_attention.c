@@ -125,15 +125,18 @@ static void attend(const uint16_t *q, int64_t g, int64_t hd, const uint16_t *k, 
     }
 }
 
-/* returns 0, or -1 when hd / G are outside what it handles (the caller checks them first) */
+/* returns 0; -1 when hd / G are outside what it handles (the caller checks them first); -2 when a
+ * thread's score scratch could not be allocated (its outputs are then not written) */
 int cached_attention_bf16(const uint16_t *q, int64_t q_stride, const uint16_t *k, const uint16_t *v,
                           const int64_t *tok_slot, const int64_t *positions, uint16_t *out, int64_t n, int64_t h,
                           int64_t hkv, int64_t s_max, int64_t hd, float scale, int threads) {
     int64_t g = h / hkv;
+    int failed = 0;
     if (hd % 16 || hd > MAX_HD || g > MAX_G || g * hkv != h) return -1;
-#pragma omp parallel num_threads(threads) if (threads > 1)
+#pragma omp parallel num_threads(threads) if (threads > 1) reduction(| : failed)
     {
         float *s = malloc(sizeof(float) * g * s_max);
+        failed |= s == NULL;
 #pragma omp for schedule(static)
         for (int64_t w = 0; w < n * hkv; w++) {
             int64_t i = w / hkv, kvh = w % hkv;
@@ -143,5 +146,5 @@ int cached_attention_bf16(const uint16_t *q, int64_t q_stride, const uint16_t *k
         }
         free(s);
     }
-    return 0;
+    return failed ? -2 : 0;
 }

@@ -26,19 +26,11 @@ MAX_NEW_TOKENS = 64  # longest request (new tokens) it runs; longer ones (prefil
 @lru_cache(maxsize=1)
 def library() -> ctypes.CDLL | None:
     """The kernel library, or None where it cannot run here (no AVX512, or no build)."""
-    from dspark.runtime.linear import cpu_flags
-
-    if not {"avx512f", "avx512bw", "avx512vl"} <= cpu_flags() or not SOURCE.exists():
-        return None
-    path = cpu_gemm.build(source=SOURCE, base_flags=FLAGS)
-    if path is None:
-        return None
-    lib = ctypes.CDLL(str(path))
-    ptr, i64 = ctypes.c_void_p, ctypes.c_int64
-    lib.cached_attention_bf16.argtypes = [ptr, i64, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64,
-                                          ctypes.c_float, ctypes.c_int]
-    lib.cached_attention_bf16.restype = ctypes.c_int
-    return lib
+    ptr, i64 = cpu_gemm.PTR, cpu_gemm.I64
+    # (q, q_stride, k, v, tok_slot, positions, out, n, h, hkv, s_max, hd, scale, threads) -> status
+    args = [ptr, i64, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, ctypes.c_float, cpu_gemm.INT]
+    return cpu_gemm.load(SOURCE, FLAGS, {"avx512f", "avx512bw", "avx512vl"},
+                         {"cached_attention_bf16": (args, ctypes.c_int)})
 
 
 def enabled(device: torch.device, dtype: torch.dtype, heads: int, kv_heads: int, head_dim: int) -> bool:
@@ -73,6 +65,8 @@ def cached_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         rc = lib.cached_attention_bf16(q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(),
                                        tok_slot.data_ptr(), positions.data_ptr(), out.data_ptr(), n, h,
                                        k_cache.shape[1], k_cache.shape[2], hd, scale, torch.get_num_threads())
+        if rc == -2:
+            raise MemoryError(f"cached_attention: no memory for the scores of {k_cache.shape[2]} keys")
         if rc != 0:
             raise ValueError(f"cached_attention: unsupported shape q {tuple(q.shape)}, "
                              f"cache {tuple(k_cache.shape)}")

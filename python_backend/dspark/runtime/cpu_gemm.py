@@ -55,7 +55,7 @@ def build(defines: tuple[str, ...] = (), source: Path = SOURCE, base_flags: list
         return out
     cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if cc is None:
-        log.warning("no C compiler found: CPU matmuls use oneDNN (slower at a few rows)")
+        log.warning("no C compiler found: torch (oneDNN) runs what our CPU kernels would")
         return None
     out.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.NamedTemporaryFile(dir=out.parent, suffix=".so", delete=False) as tmp:
@@ -71,46 +71,44 @@ def build(defines: tuple[str, ...] = (), source: Path = SOURCE, base_flags: list
     return out
 
 
-@lru_cache(maxsize=4)
-def library(defines: tuple[str, ...] = ()) -> ctypes.CDLL | None:
-    """The kernel library (`build`; `defines` picks a variant), or None where it cannot run here
-    (not x86 with AVX2 + FMA, or no build): callers fall back to oneDNN."""
+PTR, I64, INT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+PACK = ([PTR, PTR, I64, I64], None)  # (w, packed, n, k)
+GEMM = ([PTR, PTR, PTR, PTR, I64, I64, I64, INT], None)  # (x, packed, bias, y, m, n, k, threads)
+
+
+def load(source: Path, base_flags: list[str], cpu_needs: set[str], signatures: dict[str, tuple[list, object]],
+         defines: tuple[str, ...] = ()) -> ctypes.CDLL | None:
+    """One of our C kernels as a ctypes library, its functions' `signatures` ({name: (argtypes,
+    restype)}) set; None where it cannot run here (the CPU lacks a flag of `cpu_needs`, or no
+    build): callers fall back to torch."""
     from dspark.runtime.linear import cpu_flags  # linear imports this module
 
-    if not {"avx2", "fma"} <= cpu_flags() or not SOURCE.exists():
+    if not cpu_needs <= cpu_flags() or not source.exists():
         return None
-    path = build(defines)
+    path = build(defines, source, base_flags)
     if path is None:
         return None
     lib = ctypes.CDLL(str(path))
-    ptr, i64 = ctypes.c_void_p, ctypes.c_int64
-    for name in ("rows_gemm_pack", "rows_gemm_pack_bf16"):
-        getattr(lib, name).argtypes = [ptr, ptr, i64, i64]
-        getattr(lib, name).restype = None
-    for name in ("rows_gemm", "rows_gemm_bf16"):
-        getattr(lib, name).argtypes = [ptr, ptr, ptr, ptr, i64, i64, i64, ctypes.c_int]
-        getattr(lib, name).restype = None
+    for name, (argtypes, restype) in signatures.items():
+        getattr(lib, name).argtypes = argtypes
+        getattr(lib, name).restype = restype
     return lib
+
+
+@lru_cache(maxsize=4)
+def library(defines: tuple[str, ...] = ()) -> ctypes.CDLL | None:
+    """The rows kernel library (`defines` picks a variant), or None where it cannot run here (not
+    x86 with AVX2 + FMA, or no build): callers fall back to oneDNN."""
+    return load(SOURCE, FLAGS, {"avx2", "fma"}, {"rows_gemm_pack": PACK, "rows_gemm_pack_bf16": PACK,
+                                                 "rows_gemm": GEMM, "rows_gemm_bf16": GEMM}, defines)
 
 
 @lru_cache(maxsize=1)
 def dot_library() -> ctypes.CDLL | None:
     """The bf16 dot-product kernel library (kernels/cpu/bf16_dot_gemm.c), or None where it cannot
     run here (no AVX512-BF16, or no build): callers fall back to oneDNN."""
-    from dspark.runtime.linear import cpu_flags  # linear imports this module
-
-    if not {"avx512f", "avx512bw", "avx512vl", "avx512_bf16"} <= cpu_flags() or not DOT_SOURCE.exists():
-        return None
-    path = build(source=DOT_SOURCE, base_flags=DOT_FLAGS)
-    if path is None:
-        return None
-    lib = ctypes.CDLL(str(path))
-    ptr, i64 = ctypes.c_void_p, ctypes.c_int64
-    lib.bf16_dot_pack.argtypes = [ptr, ptr, i64, i64]
-    lib.bf16_dot_pack.restype = None
-    lib.bf16_dot_gemm.argtypes = [ptr, ptr, ptr, ptr, i64, i64, i64, ctypes.c_int]
-    lib.bf16_dot_gemm.restype = None
-    return lib
+    return load(DOT_SOURCE, DOT_FLAGS, {"avx512f", "avx512bw", "avx512vl", "avx512_bf16"},
+                {"bf16_dot_pack": PACK, "bf16_dot_gemm": GEMM})
 
 
 def holds_bf16(weight: torch.Tensor) -> bool:
