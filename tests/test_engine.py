@@ -94,6 +94,25 @@ class FixedDrafter(RandomDrafter):
         return DraftBlock(tokens, torch.zeros(r, w))
 
 
+class OracleDrafter(RandomDrafter):
+    """Proposes the greedy reference continuation of each prompt (`answers`: prompt -> its greedy
+    output), confidently: every draft of a greedy request is accepted."""
+
+    def __init__(self, gamma: int, target: TargetEngine, answers: dict[tuple[int, ...], list[int]]) -> None:
+        super().__init__(gamma, target)
+        self.answers = answers
+
+    def propose(self, slots, anchors, params, uniforms):
+        r, w = len(slots), uniforms.shape[1]
+        tokens = torch.zeros(r, w, dtype=torch.int64)
+        for i, (slot, anchor) in enumerate(zip(slots, anchors.tolist())):
+            context = self.contexts[slot] + [anchor]
+            prompt = next(p for p in self.answers if tuple(context[:len(p)]) == p)
+            ahead = self.answers[prompt][len(context) - len(prompt):][:w]
+            tokens[i, :len(ahead)] = torch.tensor(ahead, dtype=torch.int64)
+        return DraftBlock(tokens, torch.full((r, w), 8.0))
+
+
 class FlakyDrafter(NGramDrafter):
     """Raises in propose on every `every`-th call (and once in extend if asked)."""
 
@@ -381,15 +400,18 @@ def test_no_leak_1000_random_requests(target):
 def test_cost_rule_turns_drafting_off_when_it_does_not_pay(target, prompts, reference):
     """A drafter that costs 20 ms a step against a 1 ms verify can never pay: dspark measures it,
     then runs plain steps (probing every 16th, after the RATE_MIN_STEPS steps that measure the
-    uniform shape), from step t−2 data only; the output stays token-identical. The same drafter
-    at no cost keeps drafting every step."""
+    uniform shape), from step t−2 data only; the output stays token-identical. A drafter at no
+    cost whose drafts are accepted keeps drafting every step. (A free drafter whose drafts are
+    rejected may not: verifying them costs more than plain decoding, and the rule, pricing plain
+    steps at most like drafted ones without drafts, sees it.)"""
     fast_verify = SPSTable([1, 4096], [1000.0, 999.0])
     slow = SpecEngine(target, RandomDrafter(4, target, seed=3, delay_s=0.02), "dspark", sps=fast_verify)
     assert slow.generate(prompts, MAX_TOKENS, stop_token_ids=[]) == reference
     m = slow.metrics
     assert m.draft_steps <= m.steps // 4 + DraftCost.RATE_MIN_STEPS and m.verify_budget > 0
     slow_verify = SPSTable([1, 4096], [1.0, 0.999])
-    free = SpecEngine(target, RandomDrafter(4, target, seed=3), "dspark", sps=slow_verify)
+    answers = {tuple(p): out for p, out in zip(prompts, reference)}
+    free = SpecEngine(target, OracleDrafter(4, target, answers), "dspark", sps=slow_verify)
     assert free.generate(prompts, MAX_TOKENS, stop_token_ids=[]) == reference
     assert free.metrics.draft_steps == free.metrics.steps
 
@@ -514,19 +536,38 @@ class SlowPropose(Recording):
         return super().propose(*args)
 
 
-def test_measured_rates_count_each_step_in_its_mode(target, prompts, reference):
-    """The rates the cost rule trusts (`DraftCost.rates`) price a step whole and in its own mode: a
-    speculative step with the propose that made its drafts (run during the step before), a plain
-    step without the propose it ran for the step after; a plain step emits one token per request."""
-    engine = SpecEngine(target, SlowPropose(4), every_nth_step("dspark", 2))
+def measured_rate_cells(engine: SpecEngine, target, prompts, reference) -> tuple[dict, dict]:
+    """Generate greedily (checking the output and that nothing leaks) -> the cost rule's measured
+    rate cells, {R: [steps, tokens, seconds]} for speculative steps and for plain ones."""
     assert engine.generate(prompts, MAX_TOKENS) == reference
     check_clean(engine, target)
     cells = engine.policy.draft_cost._rates
     spec = {r: c for (r, s), c in cells.items() if s}
     plain = {r: c for (r, s), c in cells.items() if not s}
     assert spec and plain
+    return spec, plain
+
+
+def test_measured_rates_count_each_step_in_its_mode(target, prompts, reference):
+    """The rates the cost rule trusts (`DraftCost.rates`) price a step whole and in its own mode: a
+    speculative step with the propose that made its drafts (run during the step before), a plain
+    step without the propose it ran for the step after; a plain step emits one token per request."""
+    spec, plain = measured_rate_cells(SpecEngine(target, SlowPropose(4), every_nth_step("dspark", 2)),
+                                      target, prompts, reference)
     assert all(c[2] >= 0.03 and c[1] >= r for r, c in spec.items())
     assert all(c[2] < 0.03 and c[1] == pytest.approx(r) for r, c in plain.items())
+
+
+def test_catching_up_the_drafter_counts_with_the_drafted_step(target, prompts, reference):
+    """A plain step before drafting resumes hands the drafter the rows deferred over the plain run
+    (one extend): that is the coming drafted step's cost, so the plain rate the rule trusts
+    leaves it out and the drafted step's carries it (before, the plain step before each probe
+    carried the catch-up of the ~16 plain steps since the last one, in the rate drafting is
+    compared with)."""
+    spec, plain = measured_rate_cells(SpecEngine(target, SlowExtend(4), every_nth_step("dspark", 3), sps=SPS),
+                                      target, prompts, reference)
+    assert all(c[2] < 0.03 for c in plain.values())  # no 40 ms extend in a plain step's rate
+    assert all(c[2] >= 0.04 for c in spec.values())
 
 
 def test_deferred_extend_buffer():

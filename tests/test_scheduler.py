@@ -393,6 +393,38 @@ def test_cost_rule_counts_whole_step_overheads():
     assert cost.overheads() == {"drafted": {2: 0.004, 4: 0.008}, "plain": {}}
 
 
+def test_plain_step_is_priced_at_most_as_a_drafted_step_without_drafts():
+    """A plain step does a subset of a drafted step's work: its price 1/SPS(R) + o_p(R) is capped
+    by a·1/SPS(R) + o_d(R). In a closed loop the few plain steps a drafting engine runs (slow,
+    among its first) measured o_p 22 ms at 8 requests against o_d ≈ 0, so the rule drafted on
+    where plain decoding was faster. Moderately unconfident survivals on a flat 10 ms verify with
+    a 2 ms drafter: plain wins once its one slow sample is capped; before drafted steps are
+    measured, o_p stands."""
+    flat = SPSTable([1, 1024], [100.0, 99.0])
+    r, gamma = 8, 7
+    rem = torch.full((r,), 1000)
+    weak = torch.full((r, gamma), 0.1).cumprod(1)  # ≈ 0.11 expected accepted tokens per request
+
+    def policy_after(plain_spike_s: float, drafted_steps: int):
+        policy = make_policy("dspark", sps=flat, gamma=gamma, draft_cost=DraftCost({r: 0.002}))
+        uniform_measured(policy, r, rate=1.0)
+        policy.decide(weak, rem)
+        policy.decide(weak, rem)
+        policy.observe_step(r, r, False, 1 / flat(r) + plain_spike_s, 0.0)  # one slow plain step
+        for _ in range(drafted_steps):
+            policy.observe_step(r, 2 * r, True, 0.002 + 1 / flat(2 * r), 0.002, 1 / flat(2 * r))
+        return policy
+
+    cost = policy_after(0.022, 30).draft_cost
+    assert cost.overhead(r, False) == pytest.approx(0.022)
+    assert cost.plain_step(r, 1 / flat(r)) == pytest.approx(1 / flat(r), abs=1e-4)  # capped at a·base + o_d
+    assert not policy_after(0.022, 30).wants_draft(r)  # plain decoding, priced right, is faster
+    assert not policy_after(0.0, 30).wants_draft(r)
+    uncapped = policy_after(0.022, 0)  # no drafted step measured: nothing to cap by
+    assert uncapped.draft_cost.plain_step(r, 1 / flat(r)) == pytest.approx(1 / flat(r) + 0.022)
+    assert uncapped.wants_draft(r)  # a 32 ms plain step loses to drafting
+
+
 def test_draft_rows_price_scale_is_fitted_and_shrinks_budgets():
     """Drafted steps report their target forward (`observe_step(..., verify_seconds)`); the rule
     fits forward ≈ a·(anchor rows' price) + b·(first R draft rows' price) + c·(further rows'
@@ -501,6 +533,35 @@ def test_cost_rule_corrects_its_model_with_what_steps_delivered():
     cost.observe_rate(3, True, 6, 0.02, uniform=True)  # a uniform-shape step counts apart
     assert cost.measured_rates() == {"speculative": {2: pytest.approx(4 / 0.03)}, "plain": {},
                                      "uniform": {3: pytest.approx(300.0)}}
+
+
+def test_uniform_shape_is_measured_once_per_class_of_request_count():
+    """The uniform shape's rate is measured per exact R; until it is, the nearest measured R' of
+    R's class stands in at its ratio to plain decoding there (uniform(R') ÷ plain(R') ×
+    plain(R)), so a closed loop whose R wanders within a class explores the uniform shape once,
+    not 4 steps at every R. Uniform steps that ran at 0.8x plain at R = 20: at R = 24 the rule
+    decodes plain at once; at R = 40 (another class) and without any measurement, it explores."""
+    table = SPSTable([1, 16, 32, 64, 128], [100.0, 90.0, 70.0, 45.0, 25.0])
+
+    def policy_with(measured_at: int | None):
+        cost = DraftCost({20: 0.002, 24: 0.002, 40: 0.002})
+        policy = make_policy("dspark", sps=table, gamma=7, draft_cost=cost)
+        for r in (20, 24, 40):  # unconfident survivals: the ranked model does not pay either
+            weak = torch.full((r, 7), 0.05).cumprod(1)
+            policy.decide(weak, torch.full((r,), 1000))
+        if measured_at is not None:
+            plain = measured_at * table(measured_at)
+            for _ in range(DraftCost.RATE_MIN_STEPS):
+                policy.draft_cost.observe_rate(measured_at, True, 0.8 * plain, 1.0, uniform=True)
+                policy.draft_cost.observe_rate(measured_at, False, plain, 1.0)
+        return policy
+
+    policy = policy_with(20)
+    assert not policy.wants_draft(24)  # no uniform step explored at 24
+    assert policy.last_uniform_rate == pytest.approx(0.8 * policy.last_rates[2], rel=1e-6)
+    assert policy.wants_draft(40) and policy._next_shape == "uniform"  # another class: explore
+    fresh = policy_with(None)
+    assert fresh.wants_draft(24) and fresh._next_shape == "uniform" and fresh.last_uniform_rate is None
 
 
 def test_cost_rule_picks_the_shape_that_delivered_more():

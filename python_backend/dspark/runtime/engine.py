@@ -272,8 +272,12 @@ class SpecEngine:
             self._draft_next = self._parts()[1].wants_draft(len(reqs))
             # nothing verified now and no drafts next step: the x0 rows wait for the next draft
             defer = not self._draft_next and not bool(ells.any())
-            self._extend(reqs, batch, taps, res.num_accepted + 1, defer)
             t_next = time.perf_counter()
+            self._extend(reqs, batch, taps, res.num_accepted + 1, defer)
+            # a plain step before drafting resumes: its extend catches up the rows deferred over
+            # the plain run, a cost of the drafted step that follows (counted with its propose)
+            if survival is not None or defer:
+                t_next = time.perf_counter()
             nxt = self._propose_next(reqs, res, keys, counters + 1, remaining - ells - 1)
             next_s = time.perf_counter() - t_next if nxt is not None else 0.0
         clock["draft"] += time.perf_counter() - t

@@ -425,7 +425,8 @@ class DSpark(Policy):
         the step drafted now), the best speculative rate max_K (R + Σ top-K a) / (t_draft(R) +
         o_d(R) + F_R(R + K)) does not beat plain decoding's R / (1/SPS(R) + o_p(R)), with F_R the
         fitted forward of a drafted step (`step_rate`, `DraftCost.verify_scale`) and o_d and o_p
-        the measured overheads of whole drafted and plain steps (`DraftCost.overhead`).
+        the measured overheads of whole drafted and plain steps (`DraftCost.overhead`; a plain
+        step priced at most as a drafted one without draft rows and propose: `DraftCost.plain_step`).
         The average, not one snapshot: at low concurrency a single step's survivals are a noisy
         guess. Reads only past steps (snapshots and measured times), so it stays lossless.
         While skipping, a probe step drafts anyway so the average keeps learning: after
@@ -448,7 +449,8 @@ class DSpark(Policy):
         than a uniform one of the same size (length groups and padded attention rows:
         results/target_ragged_smollm2.json), which no table by size
         prices, and at 8 requests MTP-1 beat both the ranked budget and plain decoding; the
-        uniform side is measured, not modelled (`DraftCost.uniform_rate`), and drafting pays when
+        uniform side is measured, not modelled (at R or, until then, at the nearest R of its
+        class: `_uniform_rate`), and drafting pays when
         either side beats plain."""
         self._next_shape = "ranked"
         t_draft = self.draft_cost(num_requests)
@@ -465,13 +467,10 @@ class DSpark(Policy):
         assert drafted is not None  # the SPS table and t_draft are known here
         rate = drafted[num_requests + 1:num_requests + room + 1]
         predicted = float(np.max((num_requests + gains) * rate))
-        plain = self.draft_cost.plain_rate(num_requests)  # measured, else the model's
-        if plain is None:
-            plain_s = 1.0 / float(self.sps_for(num_requests)[num_requests])  # type: ignore[index]
-            plain = num_requests / max(plain_s + self.draft_cost.overhead(num_requests, False), MIN_STEP_S)
+        plain = self._plain_rate(num_requests)
         correction = self.draft_cost.speculative_correction(num_requests)
         corrected = predicted * (1.0 if correction is None else correction)
-        uniform = self.draft_cost.uniform_rate(num_requests) if self.draft_cost.learn else None
+        uniform = self._uniform_rate(num_requests, plain) if self.draft_cost.learn else None
         self.last_rates, self.last_uniform_rate = (predicted, corrected, plain), uniform
         probe = self.probe_state(num_requests)
         explore = (self.draft_cost.learn and uniform is None and num_requests >= 2
@@ -490,6 +489,26 @@ class DSpark(Policy):
         if self._next_shape == "ranked":
             self.draft_cost.observe_prediction(num_requests, predicted)  # a ranked step follows
         return True
+
+    def _plain_rate(self, num_requests: int) -> float:
+        """Plain decoding's tokens/s at R: measured, else the model's (`DraftCost.plain_step`)."""
+        plain = self.draft_cost.plain_rate(num_requests)
+        if plain is None:
+            base_s = 1.0 / float(self.sps_for(num_requests)[num_requests])  # type: ignore[index]
+            plain = num_requests / max(self.draft_cost.plain_step(num_requests, base_s), MIN_STEP_S)
+        return plain
+
+    def _uniform_rate(self, num_requests: int, plain: float) -> float | None:
+        """The uniform shape's tokens/s at R: measured at R, else the nearest measured R' of R's
+        class at its ratio to plain decoding there (uniform(R') ÷ plain(R') × plain(R)), else
+        None (then `wants_draft` explores the uniform shape at R). Measured per exact R only, a
+        closed loop at 32 requests, whose R wanders over 20–32 as requests end and start, spent
+        4 uniform steps at each new R: half its drafted steps where plain decoding was faster."""
+        nearest = self.draft_cost.nearest_uniform(num_requests)
+        if nearest is None:
+            return None
+        r, rate = nearest
+        return rate if r == num_requests else rate * plain / self._plain_rate(r)
 
     def draft_width(self) -> int:
         """A uniform step verifies one draft per request, so it drafts one (at 32 requests on

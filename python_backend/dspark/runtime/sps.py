@@ -264,7 +264,8 @@ class DraftCost:
       the modelled forward (a·base + b·rows + c·beyond drafted, 1/SPS(R) plain): acceptance, the drafter's
       extend, host work and, behind Triton, the hops to the `target` and `drafter` models. Kept
       apart for steps that call the drafter and for plain steps, so the rule compares whole
-      drafted steps with whole plain steps;
+      drafted steps with whole plain steps (`plain_step`: a plain step priced at most as a
+      drafted one without draft rows);
     - what steps delivered (`observe_rate`: tokens and wall time of whole steps, per R and mode):
       `plain_rate(R)`, the measured plain tokens/second, `uniform_rate(R)`, that of drafted
       steps of the uniform shape (one draft per request, `DSpark.wants_draft`), and
@@ -355,6 +356,20 @@ class DraftCost:
         """Seconds a step of R requests takes beyond propose and the SPS table (0 until measured)."""
         return self._overhead[drafted](num_requests) or 0.0
 
+    def plain_step(self, num_requests: int, base_s: float) -> float:
+        """Seconds of a plain step of R requests whose forward the table prices at `base_s`:
+        base_s + o_p(R), but at most what a drafted step costs without its draft rows and
+        propose, a·base_s + o_d(R) (a: `verify_scale`), once drafted steps are measured. A plain
+        step does a subset of a drafted step's work, and o_p is learnt from the few plain steps
+        a drafting engine runs: in a closed loop at 8 requests its two (slow, among the first)
+        priced every plain step 22 ms dearer than a drafted step's overhead, and since the rule
+        then kept drafting, no plain step ever corrected it."""
+        plain = base_s + self.overhead(num_requests, False)
+        drafted = self._overhead[True](num_requests)
+        if drafted is None:
+            return plain
+        return min(plain, self.verify_scale(num_requests)[0] * base_s + drafted)
+
     def observe_rate(self, num_requests: int, speculative: bool, tokens: int, seconds: float,
                      uniform: bool = False) -> None:
         """A step of R requests emitted `tokens` in `seconds`, counted whole: a speculative step
@@ -392,6 +407,14 @@ class DraftCost:
     def uniform_rate(self, num_requests: int) -> float | None:
         """Tokens/second uniform-shape steps of exactly R requests delivered (None: too few)."""
         return self._rate_of(self._uniform_rates.get(num_requests))
+
+    def nearest_uniform(self, num_requests: int) -> tuple[int, float] | None:
+        """(R', its measured uniform rate) for the measured R' nearest R in R's class
+        (R.bit_length(): R' = R if measured), or None."""
+        measured = [(abs(r - num_requests), r, rate) for r, cell in self._uniform_rates.items()
+                    if r.bit_length() == num_requests.bit_length()
+                    and (rate := self._rate_of(cell)) is not None]
+        return min(measured)[1:] if measured else None
 
     def plain_rate(self, num_requests: int) -> float | None:
         """Tokens/second plain steps of exactly R requests delivered (None: too few measured)."""
