@@ -395,8 +395,8 @@ def test_cost_rule_counts_whole_step_overheads():
 
 def test_plain_step_is_priced_at_most_as_a_drafted_step_without_drafts():
     """A plain step does a subset of a drafted step's work: its price 1/SPS(R) + o_p(R) is capped
-    by a·1/SPS(R) + o_d(R). In a closed loop the few plain steps a drafting engine runs (slow,
-    among its first) measured o_p 22 ms at 8 requests against o_d ≈ 0, so the rule drafted on
+    by a·1/SPS(R) + o_d(R). In a closed loop the few plain steps a drafting engine runs (slow
+    ones) measured o_p 22 ms at 8 requests against o_d ≈ 0, so the rule drafted on
     where plain decoding was faster. Moderately unconfident survivals on a flat 10 ms verify with
     a 2 ms drafter: plain wins once its one slow sample is capped; before drafted steps are
     measured, o_p stands."""

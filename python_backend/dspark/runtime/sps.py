@@ -361,7 +361,7 @@ class DraftCost:
         base_s + o_p(R), but at most what a drafted step costs without its draft rows and
         propose, a·base_s + o_d(R) (a: `verify_scale`), once drafted steps are measured. A plain
         step does a subset of a drafted step's work, and o_p is learnt from the few plain steps
-        a drafting engine runs: in a closed loop at 8 requests its two (slow, among the first)
+        a drafting engine runs: in a closed loop at 8 requests its few (slow) ones
         priced every plain step 22 ms dearer than a drafted step's overhead, and since the rule
         then kept drafting, no plain step ever corrected it."""
         plain = base_s + self.overhead(num_requests, False)
