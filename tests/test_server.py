@@ -1,8 +1,10 @@
 """The Triton deployment on the real tritonserver, started as users start it (`dspark serve`):
 ensemble (TensorRT-LLM's request format) -> preprocessing -> dspark (BLS scheduler calling the
-`target` and `drafter` models) -> postprocessing, n-gram drafter with the DSpark policy on the
-tiny checkpoint. Greedy output equals in-process plain decoding over gRPC, HTTP, streaming and
-the direct BLS path; 16 concurrent streams; stop words free their slot; every client path of
+`target` and `drafter` models) -> postprocessing, n-gram drafter with the DSpark scheduler
+(Algorithm 1, `dspark-theory`: the ranked budget without the drafting-cost rule, so every step
+drafts whatever the timing; the cost rule, the default, is served in tests/test_clients.py) on
+the tiny checkpoint. Greedy output equals in-process plain decoding over gRPC, HTTP, streaming
+and the direct BLS path; 16 concurrent streams; stop words free their slot; every client path of
 cancellation frees the slot and is counted; bad input -> 400 / INVALID_ARG naming the field;
 5 MB and 50 MB bodies are refused without harm; metrics; stop by pid leaves nothing behind."""
 
@@ -51,7 +53,7 @@ def server_env(ckpt: Path, sps: str = "gpu_shaped") -> dict[str, str]:
         "DSPARK_NUM_THREADS": "1",
         "DSPARK_DEVICE": "cpu",
         "DSPARK_DRAFTER": "ngram",
-        "DSPARK_POLICY": "dspark",
+        "DSPARK_POLICY": "dspark-theory",
         "DSPARK_GAMMA": str(GAMMA),
         "DSPARK_SPS": sps,
         "DSPARK_DTYPE": "fp32",
@@ -69,9 +71,9 @@ def greedy_texts(ckpt: Path) -> dict[int, str]:
 def served(tiny_ckpt, tmp_path_factory):
     """(running `dspark serve`, expected texts); the reference decode runs while the server loads.
     A flat, slow SPS table (100 ms per step at any batch) makes a verified draft token nearly free
-    next to a step, and drafting (n-gram, a few ms through the BLS hops) cheap, so the DSpark
-    policy's cost-aware rule drafts and verifies; how long it keeps drafting then follows what
-    the steps deliver (it prices plain steps like drafted ones without drafts)."""
+    next to a step, so the budget admits every draft with a positive survival. (The default
+    policy's cost rule would measure the tiny target's ms steps and, its drafts rejected, decode
+    plain but for probes: whether a given request drafts would depend on the timing.)"""
     folder = tmp_path_factory.mktemp("serve")
     log, sps = folder / "serve.log", folder / "sps_flat.json"
     SPSTable([1, 64, 512], [10.0, 10.0, 10.0], device="test-flat", model="tiny").save(sps)
@@ -162,9 +164,8 @@ def test_stop_word_cuts_and_frees_its_slot(served):
 
 def test_long_generation_speculates_and_metrics_count_it(served):
     """Drafts are proposed and verified through the BLS and counted consistently. Whether the
-    n-gram drafts of this random model are *accepted* depends on the cost rule's timing-driven
-    choices (it backs off drafting after unaccepted probes), so acceptance itself is asserted
-    where it is deterministic: tests/test_triton_smollm2.py (trained drafter, fixed policy)."""
+    n-gram drafts of this random model are *accepted* is up to the model (no n-gram repeats, no
+    accepted draft), so acceptance itself is asserted where it is known: tests/test_triton_smollm2.py (trained drafter, fixed policy)."""
     server, expected = served
     before = wait_idle(server.metrics_url)
     stats = client.Stats()
