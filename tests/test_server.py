@@ -165,7 +165,8 @@ def test_stop_word_cuts_and_frees_its_slot(served):
 def test_long_generation_speculates_and_metrics_count_it(served):
     """Drafts are proposed and verified through the BLS and counted consistently. Whether the
     n-gram drafts of this random model are *accepted* is up to the model (no n-gram repeats, no
-    accepted draft), so acceptance itself is asserted where it is known: tests/test_triton_smollm2.py (trained drafter, fixed policy)."""
+    accepted draft), so acceptance itself is asserted where it is known:
+    tests/test_triton_smollm2.py (trained drafter, fixed policy)."""
     server, expected = served
     before = wait_idle(server.metrics_url)
     stats = client.Stats()
