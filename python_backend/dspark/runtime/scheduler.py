@@ -199,7 +199,7 @@ class Policy:
     def observe_draft(self, num_requests: int, seconds: float, width: int | None = None) -> None:
         """The engine reports what drafting a step for R requests took, `width` tokens each (None:
         γ). t_draft(R) prices a ranked step's full block: narrower proposes (uniform steps) are
-        measured with their whole steps instead (`DraftCost.uniform_rate`)."""
+        measured with their whole steps instead (`DraftCost.nearest_uniform`)."""
         if width is None or width >= self.gamma:
             self.draft_cost.observe(num_requests, seconds)
 

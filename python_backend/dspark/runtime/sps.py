@@ -267,8 +267,9 @@ class DraftCost:
       drafted steps with whole plain steps (`plain_step`: a plain step priced at most as a
       drafted one without draft rows);
     - what steps delivered (`observe_rate`: tokens and wall time of whole steps, per R and mode):
-      `plain_rate(R)`, the measured plain tokens/second, `uniform_rate(R)`, that of drafted
-      steps of the uniform shape (one draft per request, `DSpark.wants_draft`), and
+      `plain_rate(R)`, the measured plain tokens/second, `nearest_uniform(R)`, that of drafted
+      steps of the uniform shape at R or the nearest R of its class (one draft per request,
+      `DSpark.wants_draft`), and
       `speculative_correction(R)`, the ratio of the measured rate of ranked speculative steps
       to what the rule's model predicted for those steps (`observe_prediction`), each once it
       has `RATE_MIN_STEPS` steps at R."""
@@ -403,10 +404,6 @@ class DraftCost:
 
     def _rate_of(self, cell: list[float] | None) -> float | None:
         return None if cell is None or cell[0] < self.RATE_MIN_STEPS else cell[1] / cell[2]
-
-    def uniform_rate(self, num_requests: int) -> float | None:
-        """Tokens/second uniform-shape steps of exactly R requests delivered (None: too few)."""
-        return self._rate_of(self._uniform_rates.get(num_requests))
 
     def nearest_uniform(self, num_requests: int) -> tuple[int, float] | None:
         """(R', its measured uniform rate) for the measured R' nearest R in R's class
