@@ -778,6 +778,35 @@ def test_bench_smoke(tiny_ckpt, tmp_path):
         main(["bench", "--rescore", str(tmp_path / "other.json")])
 
 
+def test_bench_step_names_the_calls_of_a_step_and_removes_its_timers(tiny_ckpt, tmp_path):
+    """`dspark bench-step` on the tiny checkpoint: the parts each engine ran (a plain engine has no
+    policy or drafter parts), one target forward a step, top-level parts adding up to no more than
+    the step, and the loop's functions unwrapped afterwards."""
+    import json
+
+    from dspark.cli import main
+    from dspark.runtime import engine as engine_module
+
+    names = ("verify_ragged", "sts_survival")
+    originals = {n: getattr(engine_module, n) for n in names}
+    out = tmp_path / "split.json"
+    assert main(["bench-step", "--model", str(tiny_ckpt), "--drafter", "ngram", "--sps", "gpu_shaped",
+                 "--n-prompts", "1", "--max-tokens", "12", "--rounds", "1", "--num-threads", "1",
+                 "--out", str(out)]) == 0
+    result = json.loads(out.read_text())
+    dspark, plain = result["engines"]["dspark"], result["engines"]["plain"]
+    assert {"policy.decide", "policy.wants_draft", "drafter.propose", "target.verify",
+            "verify_ragged"} <= set(dspark["parts"])
+    assert dspark["parts"]["drafter.propose"]["within"] == "engine._propose_next"
+    assert not any(p.startswith(("policy.", "drafter.")) for p in plain["parts"])
+    for e in (dspark, plain):
+        assert e["steps"] > 0 and e["parts"]["target.verify"]["calls_per_step"] == 1.0
+        top = sum(v["ms_per_step"] for v in e["parts"].values() if v["within"] is None)
+        assert 0 < top <= e["step_ms"]
+    assert out.with_suffix(".png").is_file()
+    assert {n: getattr(engine_module, n) for n in names} == originals
+
+
 def test_bench_also_dtype_runs_a_second_build_beside_every_greedy_cell(tiny_ckpt, tmp_path):
     """`dspark bench --also-dtype bf16`: a second build of the target whose dspark and plain arms
     run in the same cells as the main build's (batch 1 and every concurrency, paired per repeat),
