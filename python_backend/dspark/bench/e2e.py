@@ -82,6 +82,11 @@ def load_prompts(model_key: str | None, domains: list[str], n: int, tokenizer) -
     return [tokenizer.encode(t, add_special_tokens=False).ids for t in texts], source
 
 
+def fit_prompts(prompts: list[list[int]], spec: wiring.Spec, max_tokens: int) -> list[list[int]]:
+    """Each prompt's last tokens that leave room in a slot for `max_tokens` and a draft block."""
+    return [p[-(spec.max_seq_len - max_tokens - spec.gamma - 2):] for p in prompts]
+
+
 # ---------------------------------------------------------------- our engine
 
 class _ClosedLoop:
@@ -663,7 +668,7 @@ def main(args: argparse.Namespace) -> int:
                          "train one or pass --drafter ngram / a folder")
     prompts, prompt_source = load_prompts(spec.model_key, args.domains.split(","), args.n_prompts,
                                           target.tokenizer)
-    prompts = [p[-(spec.max_seq_len - args.max_tokens - spec.gamma - 2):] for p in prompts]
+    prompts = fit_prompts(prompts, spec, args.max_tokens)
     greedy, t1 = SamplingParams(), SamplingParams(temperature=1.0, seed=0)
     b_max = max(concurrency) * (spec.gamma + 1)  # the largest step this run sends
     sizes = sorted({b for b in (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256)

@@ -26,6 +26,7 @@ import torch
 from tqdm import tqdm
 
 from dspark import paths, wiring
+from dspark.bench.e2e import fit_prompts, load_prompts
 from dspark.runtime import engine as engine_module
 from dspark.runtime.engine import SpecEngine
 from dspark.runtime.sampling import SamplingParams
@@ -54,6 +55,7 @@ PARTS: list[tuple[str, str, str, str | None]] = [
     ("target.rollback", "target", "rollback", None),
     ("engine._emit", "engine", "_emit", None),
 ]
+WITHIN = {part: parent for part, _, _, parent in PARTS}
 
 
 class PartTimers:
@@ -115,7 +117,6 @@ def run_split(engines: dict[str, SpecEngine], groups: list[list[list[int]]], max
                 outputs = e.generate(group, max_tokens, SamplingParams())
                 wall[name] += time.perf_counter() - t0
             tokens[name] += sum(len(o) for o in outputs)
-    within = {part: parent for part, _, _, parent in PARTS}
     result = {}
     for name, e in engines.items():
         steps = max(e.metrics.steps, 1)
@@ -123,7 +124,7 @@ def run_split(engines: dict[str, SpecEngine], groups: list[list[list[int]]], max
             "steps": e.metrics.steps, "tokens": tokens[name], "tokens_per_step": tokens[name] / steps,
             "tokens_per_s": tokens[name] / wall[name], "step_ms": 1e3 * wall[name] / steps,
             "clock_ms": {k: 1e3 * v / steps for k, v in e.metrics.time_s.items()},
-            "parts": {part: {"ms_per_step": 1e3 * s / steps, "within": within[part],
+            "parts": {part: {"ms_per_step": 1e3 * s / steps, "within": WITHIN[part],
                              "calls_per_step": timers[name].calls[part] / steps}
                       for part, s in sorted(timers[name].seconds.items(), key=lambda kv: -kv[1])}}
     return result
@@ -139,7 +140,6 @@ def plot(result: dict, path: Path) -> None:
     engines = result["engines"]
     parts = [p for p, *_ in PARTS if any(p in e["parts"] for e in engines.values())]
     big = [p for p in parts if p.startswith("target.") and p != "target.rollback"]
-    within = {part: parent for part, _, _, parent in PARTS}
     fig, axes = plt.subplots(1, 2, figsize=(13, 6), gridspec_kw={"width_ratios": [1, 3]})
     for ax, shown in zip(axes, (big, [p for p in parts if p not in big])):
         y = range(len(shown))
@@ -147,7 +147,7 @@ def plot(result: dict, path: Path) -> None:
             ms = [e["parts"].get(p, {}).get("ms_per_step", 0.0) for p in shown]
             ax.barh([i + 0.4 * k for i in y], ms, height=0.4,
                     label=f"{name} ({e['step_ms']:.1f} ms, {e['tokens_per_step']:.2f} tokens a step)")
-        ax.set_yticks([i + 0.2 for i in y], [("└ " if within[p] else "") + p for p in shown])  # └ inside
+        ax.set_yticks([i + 0.2 for i in y], [("└ " if WITHIN[p] else "") + p for p in shown])  # └ inside
         ax.invert_yaxis()
         ax.set_xlabel("ms per step (inclusive)")
     axes[1].legend(loc="lower right")
@@ -169,8 +169,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    from dspark.bench.e2e import load_prompts
-
     spec = wiring.from_args(args)
     spec = replace(spec, capacity=max(spec.capacity, args.requests))
     target = wiring.load_target(spec)
@@ -180,7 +178,7 @@ def main(args: argparse.Namespace) -> int:
     if engines["dspark"].policy is None:
         raise SystemExit(f"dspark bench-step: no drafter for model {spec.model!r} (drafter {spec.drafter!r})")
     prompts, source = load_prompts(spec.model_key, args.domains.split(","), args.n_prompts, target.tokenizer)
-    prompts = [p[-(spec.max_seq_len - args.max_tokens - spec.gamma - 2):] for p in prompts]
+    prompts = fit_prompts(prompts, spec, args.max_tokens)
     r = args.requests
     groups = [prompts[i:i + r] for i in range(0, len(prompts), r)]
     run_split(engines, groups[:1], args.max_tokens)  # warm-up, not reported (the policy keeps its learning)
