@@ -1,6 +1,7 @@
 """`cached_attention`: a ragged batch's bf16 attention over the fixed-slot KV cache on an x86 CPU
-with AVX512, through our own small C kernel (kernels/cpu/cached_attention.c, built like the
-matmul kernels by `dspark.runtime.cpu_gemm.build`, called through ctypes). Each token's heads
+with AVX512-BF16 (the scores by VDPBF16PS), through our own small C kernel
+(kernels/cpu/cached_attention.c, built like the matmul kernels by `dspark.runtime.cpu_gemm.build`,
+called through ctypes). Each token's heads
 read their slot's keys 0..position in order, fp32 softmax, one rounding to bf16: a token's output
 is bit-identical whatever else is in the batch (a verify attends exactly as plain decoding
 does), and a ragged batch needs no padding, mask or length groups. ATen's CPU flash kernel is
@@ -19,17 +20,17 @@ from dspark import paths
 from dspark.runtime import cpu_gemm
 
 SOURCE = paths.REPO_ROOT / "kernels" / "cpu" / "cached_attention.c"
-FLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-fopenmp", "-shared", "-fPIC"]
+FLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-fopenmp", "-shared", "-fPIC"]
 MAX_NEW_TOKENS = 64  # longest request (new tokens) it runs; longer ones (prefills) keep ATen's flash kernel
 
 
 @lru_cache(maxsize=1)
 def library() -> ctypes.CDLL | None:
-    """The kernel library, or None where it cannot run here (no AVX512, or no build)."""
+    """The kernel library, or None where it cannot run here (no AVX512-BF16, or no build)."""
     ptr, i64 = cpu_gemm.PTR, cpu_gemm.I64
     # (q, q_stride, k, v, tok_slot, positions, out, n, h, hkv, s_max, hd, scale, threads) -> status
     args = [ptr, i64, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, ctypes.c_float, cpu_gemm.INT]
-    return cpu_gemm.load(SOURCE, FLAGS, {"avx512f", "avx512bw", "avx512vl"},
+    return cpu_gemm.load(SOURCE, FLAGS, {"avx512f", "avx512bw", "avx512vl", "avx512_bf16"},
                          {"cached_attention_bf16": (args, ctypes.c_int)})
 
 
