@@ -1,6 +1,7 @@
 """Our bf16 CPU row argmax (kernels/cpu/row_argmax.c via dspark.runtime.cpu_argmax) against torch's
 `max(-1).indices`: random rows of every tail length, ties (the first maximum), NaN (the first NaN),
-all -inf, strided rows (torch's path), and greedy verification through it."""
+all -inf, and the layouts and dtypes that take torch's path (greedy verification calls it:
+tests/test_verify.py)."""
 
 from __future__ import annotations
 
