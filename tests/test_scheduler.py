@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from dspark.runtime.scheduler import Policy, make_policy, sts_survival
+from dspark.runtime.scheduler import DSpark, Policy, make_policy, sts_survival
 from dspark.runtime.sps import DraftCost, SPSTable
 
 ALL_SPECS = ["none", "mtp1", "fixed:3", "threshold:0.6", "dspark-theory", "dspark"]
@@ -564,6 +564,80 @@ def test_uniform_shape_is_measured_once_per_class_of_request_count():
     assert fresh.wants_draft(24) and fresh._next_shape == "uniform" and fresh.last_uniform_rate is None
 
 
+def test_cost_rule_refreshes_a_stale_plain_rate():
+    """A measured plain rate is refreshed only by plain steps, which the rule stops running once
+    drafting pays: after PLAIN_STALE_STEPS steps without one at R, a plain probe runs where
+    speculation leads by less than `plain_probe_margin`, and its rate replaces the stale average
+    (a plain rate measured low in another benchmark cell kept the rule drafting at 0.96x plain);
+    no probe where the lead is wide. From past steps only: lossless."""
+    flat = SPSTable([1, 1024], [100.0, 99.0])
+    r, gamma = 4, 7
+    stale_plain = 400.0  # tokens/s, what the SPS table models (the ranked model: ~350)
+
+    def policy_drafting(uniform_rate: float):
+        policy = make_policy("dspark", sps=flat, gamma=gamma, draft_cost=DraftCost({r: 0.002}))
+        weak = torch.full((r, gamma), 0.05).cumprod(1)  # the ranked model does not pay
+        for _ in range(2):
+            policy.decide(weak, torch.full((r,), 1000))
+        uniform_measured(policy, r, uniform_rate)
+        for _ in range(DraftCost.RATE_MIN_STEPS):
+            policy.draft_cost.observe_rate(r, False, stale_plain, 1.0)
+        return policy
+
+    def drafted_steps(policy, n: int, uniform_rate: float) -> list[bool]:
+        decisions = []
+        for _ in range(n):
+            decisions.append(policy.wants_draft(r))
+            policy.draft_cost.observe_rate(r, decisions[-1], uniform_rate if decisions[-1] else stale_plain,
+                                           1.0, uniform=True)
+        return decisions
+
+    policy = policy_drafting(1.1 * stale_plain)
+    stale = DraftCost.PLAIN_STALE_STEPS
+    decisions = drafted_steps(policy, stale, 1.1 * stale_plain)
+    assert all(decisions) and not policy.wants_draft(r)  # stale: one plain probe
+    assert policy.wants_draft(r)  # the probe's rate not reported yet: R is not stale meanwhile
+    policy.draft_cost.observe_rate(r, False, 1.3 * stale_plain, 1.0)  # plain is faster by now
+    assert policy.draft_cost.plain_rate(r) == pytest.approx(1.3 * stale_plain)  # replaced, not averaged
+    assert not policy.wants_draft(r)
+    # a probe that measures plain as before: drafting goes on, the next probe after as many steps
+    policy = policy_drafting(1.1 * stale_plain)
+    decisions = drafted_steps(policy, 3 * (stale + 1), 1.1 * stale_plain)
+    assert [i for i, d in enumerate(decisions) if not d] == [stale, 2 * stale + 1, 3 * stale + 2]
+    # a wide lead: no plain probe
+    wide = policy_drafting(2.0 * stale_plain)
+    assert all(drafted_steps(wide, 4 * stale, 2.0 * stale_plain))
+
+
+def test_cost_rule_drafts_only_on_a_margin_and_keeps_close_probes_within_a_wait():
+    """Drafting must beat plain by `draft_margin`: measured sides within a few per cent of each
+    other are within their noise, and plain decoding saves the propose. While the speculative
+    side stays within `close_call` of plain, probes back off to `close_call_wait` at most (not
+    to probe_max: the sides may swap; not kept at probe_every: a probe costs a propose)."""
+    flat = SPSTable([1, 1024], [100.0, 99.0])
+    r, gamma = 4, 7
+    plain = r * flat(r)  # tokens/s: what the table models
+
+    def policy_at(uniform_ratio: float):
+        policy = make_policy("dspark", sps=flat, gamma=gamma, draft_cost=DraftCost({r: 0.002}))
+        weak = torch.full((r, gamma), 0.05).cumprod(1)  # the ranked model does not pay
+        for _ in range(2):
+            policy.decide(weak, torch.full((r,), 1000))
+        uniform_measured(policy, r, uniform_ratio * plain)
+        for _ in range(DraftCost.RATE_MIN_STEPS):
+            policy.draft_cost.observe_rate(r, False, plain, 1.0)
+        return policy
+
+    assert policy_at(1.02 * DSpark.draft_margin).wants_draft(r)
+    assert not policy_at(0.99 * DSpark.draft_margin).wants_draft(r)
+    for ratio, longest in ((0.95, DSpark.close_call_wait), (0.5, DSpark.probe_max)):
+        policy = policy_at(ratio)
+        decisions = [policy.wants_draft(r) for _ in range(2000)]
+        probes = [i for i, d in enumerate(decisions) if d]
+        waits = [b - a - 1 for a, b in zip([-1, *probes], probes)]
+        assert waits[:3] == [16, 32, 64] and max(waits) == longest
+
+
 def test_cost_rule_picks_the_shape_that_delivered_more():
     """Drafted steps take one of two shapes (`DSpark._pick_shape`): the ranked budget or one draft
     per request (uniform, as MTP-1). The first RATE_MIN_STEPS drafted steps at R are uniform (to
@@ -612,6 +686,10 @@ def test_cost_rule_picks_the_shape_that_delivered_more():
     later = shapes[explore:]
     assert later.count("uniform") <= 3 and len(later) > 100  # ranked, but for the probes
     assert policy.draft_cost.measured_rates()["uniform"][r] < policy.last_rates[1]
+    # in doubt (the ranked rate within `draft_margin` of the uniform one), the uniform shape
+    policy = make_policy("dspark", sps=flat, gamma=gamma, draft_cost=DraftCost({r: 0.002}))
+    assert policy._pick_shape(r, 1.02 * 300.0, 300.0) == "uniform"
+    assert policy._pick_shape(r, 1.05 * 300.0, 300.0) == "ranked"
     shapes, _ = run(1.5, learn=False)
     assert set(shapes) == {"ranked"}
     # no rate ever reported for the uniform steps: after its tries, ranked

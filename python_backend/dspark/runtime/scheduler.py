@@ -413,7 +413,17 @@ class DSpark(Policy):
             self.name = "dspark:delayed"
 
     walk_tol = 0.01  # the snapshot's walk within 1 % of its argmax Θ: follow the walk alone
-    close_call = 0.9  # the cost rule's probes do not back off while speculation is within 10 % of plain
+    # while speculation is within 10 % of plain, the cost rule's probes back off to close_call_wait
+    close_call = 0.9
+    close_call_wait = 64
+    # drafting must beat plain decoding by this factor once a side is measured: the rates swing by
+    # ±10 % over a few steps (context lengths, the machine), and where the two sides are within that, drafting
+    # on a lucky reading costs a propose a step for nothing (at 16 requests on SmolLM2, MTP-1 ran
+    # at 0.95-0.97x plain and the rule still drafted a third of the steps)
+    draft_margin = 1.03
+    # a stale measured plain rate (`DraftCost.plain_stale`) is re-measured by one plain step while
+    # speculation leads it by less than this: a lead that staleness could have made
+    plain_probe_margin = 1.25
     # the cost rule's last comparison, tokens/s: (model's speculative, corrected, plain), and the
     # measured rate of uniform-shape steps it compared them with (None: not measured at R)
     last_rates: tuple[float, float, float] = (0.0, 0.0, 0.0)
@@ -433,10 +443,17 @@ class DSpark(Policy):
         `probe_every` skipped steps, then twice as many after each probe that did not pay (up
         to `probe_max`), back to `probe_every` as soon as speculation pays; counted per class of
         R (`probe_state`). Under load that never pays, probes then cost < 1 % of the steps
-        instead of 6 %. A close call (the speculative side within `close_call` of plain) keeps
-        the wait at `probe_every`: a measured side's moving average swings with the prompts it ran
-        on, and a backed-off probe left dspark decoding plain for 50 steps at 8 requests on a
-        uniform rate measured 6 % under plain's in a slow spell.
+        instead of 6 %. A close call (the speculative side within `close_call` of plain) backs
+        off no further than `close_call_wait`: a measured side's moving average swings with the
+        prompts it ran on, and a probe backed off to 256 left dspark decoding plain for 50 steps
+        at 8 requests on a uniform rate measured 6 % under plain's in a slow spell, while a wait
+        kept at `probe_every` cost ~2 % at 32 requests, where a probe's propose is a quarter of a
+        step. Once a side is measured, drafting pays when it beats plain by `draft_margin` (3 %):
+        within that the measured sides are within their noise, and plain decoding saves the
+        propose. The other
+        way round, while drafting leads by less than `plain_probe_margin`, one plain step
+        re-measures plain decoding at R once its rate is stale (`DraftCost.plain_stale`): the
+        plain side is otherwise measured only while the rule skips.
         What steps delivered corrects the model once enough have run at this R (`DraftCost`): the
         plain side becomes the measured plain rate, and the speculative side is scaled by the
         ratio of measured to predicted speculative rates. The model prices a ragged step of R
@@ -473,15 +490,23 @@ class DSpark(Policy):
         uniform = self._uniform_rate(num_requests, plain) if self.draft_cost.learn else None
         self.last_rates, self.last_uniform_rate = (predicted, corrected, plain), uniform
         probe = self.probe_state(num_requests)
+        # the margin guards against the measured rates' noise (the model alone has none)
+        measured = (uniform is not None or correction is not None
+                    or self.draft_cost.plain_rate(num_requests) is not None)
+        margin = self.draft_margin if measured else 1.0
         explore = (self.draft_cost.learn and uniform is None and num_requests >= 2
                    and self._uniform_tries.get(num_requests, 0) < DraftCost.RATE_MIN_STEPS)
         if explore:
             pass  # the uniform side is not measured at R yet: draft it (`_pick_shape`)
-        elif max(corrected, uniform or 0.0) > plain:
+        elif max(corrected, uniform or 0.0) > margin * plain:
             probe[0], probe[1] = 0, self.probe_every
-        elif probe[0] >= probe[1]:  # a close call keeps probing often: the sides are within noise
+            if (self.draft_cost.learn and max(corrected, uniform or 0.0) < self.plain_probe_margin * plain
+                    and self.draft_cost.plain_stale(num_requests)):
+                self.draft_cost.plan_plain_probe(num_requests)  # a plain probe
+                return False
+        elif probe[0] >= probe[1]:  # a close call keeps probing more often: the sides are within noise
             close = max(corrected, uniform or 0.0) > self.close_call * plain
-            probe[0], probe[1] = 0, self.probe_every if close else min(2 * probe[1], self.probe_max)
+            probe[0], probe[1] = 0, min(2 * probe[1], self.close_call_wait if close else self.probe_max)
         else:
             probe[0] += 1
             return False
@@ -520,8 +545,10 @@ class DSpark(Policy):
         """The coming drafted step's shape: "uniform" until RATE_MIN_STEPS uniform steps at R
         have been measured (`wants_draft` drafts the first RATE_MIN_STEPS of them whatever the
         other rates say), then whichever of the ranked rate (the model, corrected) and the
-        measured uniform one is higher, but for one step of the other shape after `probe_every`
-        drafted steps per class of R, then twice as many after each such probe up to
+        measured uniform one is higher (the ranked one by `draft_margin`: within the rates' noise
+        the uniform step proposes one token, not γ; at 8 requests the rule without it ran ranked
+        steps on three in four drafted steps at 0.95x MTP-1), but for one step of the other
+        shape after `probe_every` drafted steps per class of R, then twice as many after each such probe up to
         `probe_max` (the side not taken keeps being measured at a cost < 1 % of the steps once
         it stays behind). The wait does not start over when the favoured shape changes: the
         favoured side is measured all along, so a change shows without probes, and the two sides
@@ -538,7 +565,9 @@ class DSpark(Policy):
                 return "ranked"  # no rate was reported for them (a caller outside the engine)
             self._uniform_tries[num_requests] = tries + 1
             return "uniform"
-        favoured, other = ("uniform", "ranked") if uniform > ranked else ("ranked", "uniform")
+        # in doubt the uniform shape: the ranked one must beat it by the noise margin
+        favoured, other = (("uniform", "ranked") if self.draft_margin * uniform > ranked
+                           else ("ranked", "uniform"))
         state = self._shape_runs.setdefault(int(num_requests).bit_length(), [0, self.probe_every])
         state[0] += 1
         if state[0] <= state[1]:

@@ -272,7 +272,10 @@ class DraftCost:
       `DSpark.wants_draft`), and
       `speculative_correction(R)`, the ratio of the measured rate of ranked speculative steps
       to what the rule's model predicted for those steps (`observe_prediction`), each once it
-      has `RATE_MIN_STEPS` steps at R."""
+      has `RATE_MIN_STEPS` steps at R. A measured plain rate goes stale while the rule keeps
+      drafting (no plain step refreshes it): after `PLAIN_STALE_STEPS` steps without a plain
+      step at R (`plain_stale`), the next one's rate replaces the average instead of joining it
+      (`DSpark.wants_draft` runs such a plain probe where speculation's lead is small)."""
 
     RATE_ALPHA = 0.2  # weight of the newest step in the measured rates (~ the last 10 steps)
     RATE_MIN_STEPS = 4  # steps at R before a measured rate or correction is used
@@ -285,6 +288,11 @@ class DraftCost:
     VERIFY_MIN_STEPS = 16  # drafted steps of R's class before its scales are fitted
     VERIFY_ALPHA = 0.05  # the forward's scales average over ~the last 40 drafted steps
     VERIFY_RIDGE = 0.003  # pull of each draft-row scale towards the one before it (a <- b <- c)
+    # steps (any R) after which R's measured plain rate is stale: in a benchmark's 16-request
+    # cell one measured 319 tok/s in another cell's long-context tail was never refreshed while
+    # the rule drafted (the cell's own plain steps ran at ~410), and it drafted 231 of 241
+    # steps at 0.96x plain decoding
+    PLAIN_STALE_STEPS = 32
 
     def __init__(self, seconds: dict[int, float] | None = None, alpha: float = 0.2,
                  learn: bool = True, overhead_alpha: float = 0.1) -> None:
@@ -301,6 +309,9 @@ class DraftCost:
         # beyond) (row-major) and of each of them times the forward's seconds]
         self._verify: dict[int, list[float]] = {}
         self._scales: dict[int, tuple[float, float, float]] = {}  # class of R -> fitted (a, b, c)
+        self._steps = 0  # whole steps observed (`observe_rate`)
+        self._plain_seen: dict[int, int] = {}  # R -> `_steps` at its last plain step (or planned probe)
+        self._refresh: set[int] = set()  # R whose next plain step replaces its plain average
 
     def observe(self, num_requests: int, seconds: float) -> None:
         if self.learn:
@@ -379,11 +390,28 @@ class DraftCost:
         (counted apart from the ranked ones the model predicts)."""
         if not self.learn or seconds <= 0:
             return
+        self._steps += 1
+        restart = False
+        if not speculative:  # a stale plain rate (or a planned probe's): the fresh step replaces it
+            restart = self.plain_stale(num_requests) or num_requests in self._refresh
+            self._refresh.discard(num_requests)
+            self._plain_seen[num_requests] = self._steps
         # tokens and seconds averaged apart (a ratio of averages, not an average of ratios: one
         # lucky step weighs its share)
         cell = (self._uniform_rates.setdefault(num_requests, [0, 0.0, 0.0]) if speculative and uniform
                 else self._rates.setdefault((num_requests, speculative), [0, 0.0, 0.0]))
-        self._average(cell, tokens, seconds)
+        self._average(cell, tokens, seconds, alpha=1.0 if restart else None)
+
+    def plain_stale(self, num_requests: int) -> bool:
+        """R's plain rate is measured, but no plain step has run at R for PLAIN_STALE_STEPS steps."""
+        seen = self._plain_seen.get(num_requests)
+        return seen is not None and self._steps - seen >= self.PLAIN_STALE_STEPS
+
+    def plan_plain_probe(self, num_requests: int) -> None:
+        """The coming step at R runs plain to re-measure plain decoding: its rate replaces R's
+        plain average, and R is not stale meanwhile (its rate arrives after the next decision)."""
+        self._plain_seen[num_requests] = self._steps
+        self._refresh.add(num_requests)
 
     def observe_prediction(self, num_requests: int, rate: float) -> None:
         """The rule's model predicted `rate` tokens/second for a speculative step of R requests."""

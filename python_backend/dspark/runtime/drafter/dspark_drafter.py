@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from safetensors.torch import load_file
 from torch import nn
 
+from dspark.runtime.cpu_argmax import bigram_chain, row_argmax
 from dspark.runtime.drafter.context import SlotDrafter, SlotKV, segments
 from dspark.runtime.drafter.dspark_model import DraftLayer, DSparkConfig, DSparkModel, save_dspark
 from dspark.runtime.drafter.files import (
@@ -357,13 +358,10 @@ class DSparkDrafter(SlotDrafter):
         """`_head` for greedy rows with a Markov head over the draft vocabulary: from k = 1 on,
         x_{k−1} is a draft-vocabulary token, so B(x_{k−1}) is a row of `_bigram` (the anchor x0 may
         be any token: its bias is the rank-r product). Same logits up to the order of the r
-        products in each sum; the loop stays in draft-vocabulary indices until the end."""
-        idx = (base[:, 0] + self._w2_head(self.model.head.W1(x0))).max(-1).indices  # type: ignore[misc]
-        picks = [idx]
-        for k in range(1, h.shape[1]):
-            idx = self._bigram.index_select(0, idx).add_(base[:, k]).max(-1).indices  # type: ignore[union-attr]
-            picks.append(idx)
-        tokens = self._token_ids(torch.stack(picks, dim=1))
+        products in each sum; the loop stays in draft-vocabulary indices until the end, in one
+        C call on a CPU (`cpu_argmax.bigram_chain`)."""
+        first = row_argmax(base[:, 0] + self._w2_head(self.model.head.W1(x0)))  # type: ignore[misc]
+        tokens = self._token_ids(bigram_chain(self._bigram, base, first))  # type: ignore[arg-type]
         return tokens, self._confidence(h, x0, tokens)
 
     @torch.inference_mode()
