@@ -416,10 +416,10 @@ class DSpark(Policy):
     # while speculation is within 10 % of plain, the cost rule's probes back off to close_call_wait
     close_call = 0.9
     close_call_wait = 64
-    # drafting must beat plain decoding by this factor once a side is measured: the rates swing by
-    # ±10 % over a few steps (context lengths, the machine), and where the two sides are within that, drafting
-    # on a lucky reading costs a propose a step for nothing (at 16 requests on SmolLM2, MTP-1 ran
-    # at 0.95-0.97x plain and the rule still drafted a third of the steps)
+    # drafting must beat plain decoding by this factor once a side is measured: the rates swing
+    # by ±10 % over a few steps (context lengths, the machine), and where the two sides are
+    # within that, drafting on a lucky reading costs a propose a step for nothing (at 16 requests
+    # on SmolLM2, MTP-1 ran at 0.95-0.97x plain and the rule still drafted a third of the steps)
     draft_margin = 1.03
     # a stale measured plain rate (`DraftCost.plain_stale`) is re-measured by one plain step while
     # speculation leads it by less than this: a lead that staleness could have made
@@ -450,10 +450,9 @@ class DSpark(Policy):
         kept at `probe_every` cost ~2 % at 32 requests, where a probe's propose is a quarter of a
         step. Once a side is measured, drafting pays when it beats plain by `draft_margin` (3 %):
         within that the measured sides are within their noise, and plain decoding saves the
-        propose. The other
-        way round, while drafting leads by less than `plain_probe_margin`, one plain step
-        re-measures plain decoding at R once its rate is stale (`DraftCost.plain_stale`): the
-        plain side is otherwise measured only while the rule skips.
+        propose. The other way round, while drafting leads by less than `plain_probe_margin`,
+        one plain step re-measures plain decoding at R once its rate is stale
+        (`DraftCost.plain_stale`): the plain side is otherwise measured only while the rule skips.
         What steps delivered corrects the model once enough have run at this R (`DraftCost`): the
         plain side becomes the measured plain rate, and the speculative side is scaled by the
         ratio of measured to predicted speculative rates. The model prices a ragged step of R
@@ -548,9 +547,9 @@ class DSpark(Policy):
         measured uniform one is higher (the ranked one by `draft_margin`: within the rates' noise
         the uniform step proposes one token, not γ; at 8 requests the rule without it ran ranked
         steps on three in four drafted steps at 0.95x MTP-1), but for one step of the other
-        shape after `probe_every` drafted steps per class of R, then twice as many after each such probe up to
-        `probe_max` (the side not taken keeps being measured at a cost < 1 % of the steps once
-        it stays behind). The wait does not start over when the favoured shape changes: the
+        shape after `probe_every` drafted steps per class of R, then twice as many after each
+        such probe up to `probe_max` (the side not taken keeps being measured at a cost < 1 % of
+        the steps once it stays behind). The wait does not start over when the favoured shape changes: the
         favoured side is measured all along, so a change shows without probes, and the two sides
         are often within noise of each other (at 8 requests resetting it ran a ranked step in
         every ~17).
