@@ -489,6 +489,7 @@ class DSpark(Policy):
         uniform = self._uniform_rate(num_requests, plain) if self.draft_cost.learn else None
         self.last_rates, self.last_uniform_rate = (predicted, corrected, plain), uniform
         probe = self.probe_state(num_requests)
+        best = max(corrected, uniform or 0.0)
         # the margin guards against the measured rates' noise (the model alone has none)
         measured = (uniform is not None or correction is not None
                     or self.draft_cost.plain_rate(num_requests) is not None)
@@ -497,14 +498,14 @@ class DSpark(Policy):
                    and self._uniform_tries.get(num_requests, 0) < DraftCost.RATE_MIN_STEPS)
         if explore:
             pass  # the uniform side is not measured at R yet: draft it (`_pick_shape`)
-        elif max(corrected, uniform or 0.0) > margin * plain:
+        elif best > margin * plain:
             probe[0], probe[1] = 0, self.probe_every
-            if (self.draft_cost.learn and max(corrected, uniform or 0.0) < self.plain_probe_margin * plain
+            if (self.draft_cost.learn and best < self.plain_probe_margin * plain
                     and self.draft_cost.plain_stale(num_requests)):
                 self.draft_cost.plan_plain_probe(num_requests)  # a plain probe
                 return False
         elif probe[0] >= probe[1]:  # a close call keeps probing more often: the sides are within noise
-            close = max(corrected, uniform or 0.0) > self.close_call * plain
+            close = best > self.close_call * plain
             probe[0], probe[1] = 0, min(2 * probe[1], self.close_call_wait if close else self.probe_max)
         else:
             probe[0] += 1
