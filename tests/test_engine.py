@@ -807,6 +807,37 @@ def test_bench_step_names_the_calls_of_a_step_and_removes_its_timers(tiny_ckpt, 
     assert {n: getattr(engine_module, n) for n in names} == originals
 
 
+def test_bench_rule_records_every_step_of_each_engine(tiny_ckpt, tmp_path):
+    """`dspark bench-rule` on the tiny checkpoint: every engine's closed loop generates every
+    request's tokens, each step is recorded with the requests it decoded and its mode (plain
+    decoding never drafts, MTP-1 always does), dspark's steps carry its rule's rates, and the
+    summary's ratios are the engines' aggregates."""
+    import json
+
+    from dspark.cli import main
+
+    out = tmp_path / "rule.json"
+    assert main(["bench-rule", "--model", str(tiny_ckpt), "--drafter", "ngram", "--sps", "gpu_shaped",
+                 "--concurrency", "2", "--waves", "2", "--n-prompts", "1", "--max-tokens", "12",
+                 "--num-threads", "1", "--out", str(out)]) == 0
+    result = json.loads(out.read_text())
+    engines = result["engines"]
+    assert set(engines) == {"dspark", "plain", "mtp1"}
+    for e in engines.values():
+        steps = e["steps"]
+        # 4 requests of 12 tokens: 48 tokens (the first of each at prefill, inside a step)
+        assert sum(s["tokens"] for s in steps) == 4 * 12
+        assert all(1 <= s["R"] <= 2 for s in steps) and all(s["seconds"] > 0 for s in steps)
+    assert {s["mode"] for s in engines["plain"]["steps"]} == {"plain"}
+    assert {s["mode"] for s in engines["mtp1"]["steps"][1:]} == {"ranked"}  # its first step: just admitted
+    assert all("rule" in s for s in engines["dspark"]["steps"])
+    assert "rule" not in engines["plain"]["steps"][0]
+    summary = result["summary"]
+    assert summary["dspark_over_plain"] == engines["dspark"]["aggregate"] / engines["plain"]["aggregate"]
+    assert sum(summary["dspark_steps_by_mode"].values()) == len(engines["dspark"]["steps"])
+    assert out.with_suffix(".png").is_file()
+
+
 def test_bench_also_dtype_runs_a_second_build_beside_every_greedy_cell(tiny_ckpt, tmp_path):
     """`dspark bench --also-dtype bf16`: a second build of the target whose dspark and plain arms
     run in the same cells as the main build's (batch 1 and every concurrency, paired per repeat),

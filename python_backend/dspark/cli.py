@@ -16,6 +16,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "bench-scheduler": ("dspark.bench.scheduler", "scheduler decide() latency per policy"),
     "bench-drafter": ("dspark.bench.drafter", "one drafting step against one target step"),
     "bench-step": ("dspark.bench.step_split", "where a decode step's time goes, call by call"),
+    "bench-rule": ("dspark.bench.rule_trace", "the drafting-cost rule step by step in one closed-loop cell"),
     "bench-min-rows": ("dspark.bench.min_rows", "bf16 matmuls padded to a few rows: verify, decode"),
     "bench-cpu-gemm": ("dspark.bench.cpu_gemm", "our CPU matmul kernels vs oneDNN (fp32, --dtype bf16)"),
     "bench-triton": ("dspark.bench.triton_overhead", "serving through Triton vs the same engine in process"),
