@@ -564,6 +564,70 @@ def test_uniform_shape_is_measured_once_per_class_of_request_count():
     assert fresh.wants_draft(24) and fresh._next_shape == "uniform" and fresh.last_uniform_rate is None
 
 
+def test_paired_ratio_compares_a_step_with_the_run_of_steps_before_it():
+    """A step whose mode differs from the run of steps at R before it gives one paired reading,
+    its rate over that run's (the run's last PAIR_RUN steps, at least PAIR_RUN_MIN), for both
+    orders of the pair; readings average in log space per class of R; a run too short to
+    compare with, another class of R or frozen costs give none."""
+    cost = DraftCost({8: 0.002})
+
+    def steps(mode: str, rates: list[float], r: int = 8) -> None:
+        for rate in rates:
+            cost.observe_rate(r, mode != "plain", rate, 1.0, uniform=mode == "uniform")
+
+    steps("plain", [100.0] * 5)
+    steps("uniform", [110.0, 120.0, 120.0, 120.0, 120.0])  # reading 1: 110 over 100
+    assert cost.paired_ratio(8, "uniform", "plain") is None  # PAIR_MIN readings first
+    steps("plain", [100.0])  # reading 2: 100 over the uniform run's 118 (ratio of sums)
+    both = math.sqrt(1.1 * 1.18)  # the readings' geometric mean (two readings: equal weights)
+    assert cost.paired_ratio(8, "uniform", "plain") == pytest.approx(both)
+    assert cost.paired_ratio(8, "plain", "uniform") == pytest.approx(1 / both)
+    assert cost.paired_ratio(12, "uniform", "plain") == pytest.approx(both)  # R's class: 8–15
+    assert cost.paired_ratio(16, "uniform", "plain") is None
+    assert cost.paired_ratio(8, "ranked", "plain") is None
+    assert cost.paired_ratios() == {"uniform/plain": {8: pytest.approx(both)},
+                                    "plain/uniform": {8: pytest.approx(1 / both)}}
+    steps("ranked", [90.0])  # after a 1-step plain run: too short to compare with
+    steps("plain", [100.0] * 3)
+    assert cost.paired_ratio(8, "ranked", "plain") is None
+    frozen = DraftCost({8: 0.002}, learn=False)
+    for mode, rate in [("plain", 100.0)] * 4 + [("uniform", 150.0)] * 4 + [("plain", 100.0)]:
+        frozen.observe_rate(8, mode != "plain", rate, 1.0, uniform=mode == "uniform")
+    assert frozen.paired_ratio(8, "uniform", "plain") is None
+
+
+def test_cost_rule_weighs_the_uniform_shape_by_its_paired_ratio():
+    """The uniform side is plain's rate times the paired ratio once there is one: a uniform average
+    read in a slow stretch of the loop (640 tokens/s, plain then 560) against plain's average of
+    a fast one (800) says skip, its steps against the plain steps around them say 1.13x plain: the
+    rule drafts the uniform shape. Without paired readings it weighs the averages and skips."""
+    flat = SPSTable([1, 1024], [100.0, 99.0])
+    r, gamma = 8, 7
+
+    def policy_after(stretches: list[tuple[str, float, int]]):
+        policy = make_policy("dspark", sps=flat, gamma=gamma, draft_cost=DraftCost({r: 0.002}))
+        weak = torch.full((r, gamma), 0.05).cumprod(1)  # the ranked model does not pay
+        for _ in range(2):
+            policy.decide(weak, torch.full((r,), 1000))
+        for mode, rate, n in stretches:
+            for _ in range(n):
+                policy.draft_cost.observe_rate(r, mode == "uniform", rate, 1.0, uniform=True)
+        return policy
+
+    # tokens/s ~ what the table models for plain decoding at R (100 steps/s x 8)
+    slow_then_fast = [("plain", 560.0, 4), ("uniform", 640.0, 4), ("plain", 576.0, 4), ("plain", 800.0, 8)]
+    policy = policy_after(slow_then_fast)
+    ratio = policy.draft_cost.paired_ratio(r, "uniform", "plain")
+    assert ratio == pytest.approx(math.sqrt(640 / 560 * 640 / 576))
+    assert policy.wants_draft(r) and policy._next_shape == "uniform"
+    assert policy.last_uniform_rate == pytest.approx(ratio * policy.last_rates[2])
+    assert policy.last_rates[1] < policy.last_rates[2]  # the ranked model does not pay
+    unpaired = policy_after([("uniform", 640.0, 4), ("plain", 800.0, 12)])  # one reading only
+    assert unpaired.draft_cost.paired_ratio(r, "uniform", "plain") is None
+    assert not unpaired.wants_draft(r)
+    assert unpaired.last_uniform_rate == pytest.approx(640.0)
+
+
 def test_cost_rule_refreshes_a_stale_plain_rate():
     """A measured plain rate is refreshed only by plain steps, which the rule stops running once
     drafting pays: after PLAIN_STALE_STEPS steps without one at R, a plain probe runs where

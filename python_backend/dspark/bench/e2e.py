@@ -132,8 +132,8 @@ class _ClosedLoop:
         latency = {r.request_id: self.done[r.request_id] - self.start[r.request_id] for r in reqs}
         cost = self.engine.policy.draft_cost if self.engine.policy is not None else None
         by_r = ({"propose": cost.to_dict(), "overhead": cost.overheads(), "scale": cost.verify_scales(),
-                 "rate": cost.measured_rates()}
-                if cost else dict.fromkeys(("propose", "overhead", "scale", "rate"), {}))
+                 "rate": cost.measured_rates(), "paired": cost.paired_ratios()}
+                if cost else dict.fromkeys(("propose", "overhead", "scale", "rate", "paired"), {}))
         return {"aggregate": tokens / self.clock,
                 "per_user": sum(len(r.output) / latency[r.request_id] for r in reqs) / len(reqs),
                 "tokens": tokens, "wall_s": self.clock, "requests": len(reqs), "steps": m.steps,
@@ -150,6 +150,9 @@ class _ClosedLoop:
                 "verify_scale_by_requests": {str(r): v for r, v in by_r["scale"].items()},
                 "measured_tokens_per_s_by_requests": {
                     kind: {str(r): v for r, v in of.items()} for kind, of in by_r["rate"].items()},
+                # mode/against: the rule's paired ratios by class of R (its smallest R)
+                "paired_ratio_by_requests": {
+                    pair: {str(r): v for r, v in of.items()} for pair, of in by_r["paired"].items()},
                 "outputs": [r.output for r in reqs]}
 
 

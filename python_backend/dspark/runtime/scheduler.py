@@ -524,11 +524,18 @@ class DSpark(Policy):
         return plain
 
     def _uniform_rate(self, num_requests: int, plain: float) -> float | None:
-        """The uniform shape's tokens/s at R: measured at R, else the nearest measured R' of R's
-        class at its ratio to plain decoding there (uniform(R') ÷ plain(R') × plain(R)), else
-        None (then `wants_draft` explores the uniform shape at R). Measured per exact R only, a
-        closed loop at 32 requests, whose R wanders over 20–32 as requests end and start, spent
-        4 uniform steps at each new R: half its drafted steps where plain decoding was faster."""
+        """The uniform shape's tokens/s at R: plain × its paired ratio to plain decoding in R's
+        class (`DraftCost.paired_ratio`: uniform and plain steps measured in the same stretch of
+        the loop), else measured at R, else the nearest measured R' of R's class at its ratio to
+        plain decoding there (uniform(R') ÷ plain(R') × plain(R)), else None (then `wants_draft`
+        explores the uniform shape at R). Measured per exact R only, a closed loop at 32
+        requests, whose R wanders over 20–32 as requests end and start, spent 4 uniform steps at
+        each new R: half its drafted steps where plain decoding was faster. Paired first: at 8
+        requests a uniform average read in a slow stretch stood at 268–286 tokens/s for 130
+        steps while MTP-1's steps delivered 272–344, and dspark decoded plain."""
+        ratio = self.draft_cost.paired_ratio(num_requests, "uniform", "plain")
+        if ratio is not None:
+            return ratio * plain
         nearest = self.draft_cost.nearest_uniform(num_requests)
         if nearest is None:
             return None

@@ -30,6 +30,8 @@ the raw measurements.
 from __future__ import annotations
 
 import json
+import math
+from collections import deque
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -275,7 +277,15 @@ class DraftCost:
       has `RATE_MIN_STEPS` steps at R. A measured plain rate goes stale while the rule keeps
       drafting (no plain step refreshes it): after `PLAIN_STALE_STEPS` steps without a plain
       step at R (`plain_stale`), the next one's rate replaces the average instead of joining it
-      (`DSpark.wants_draft` runs such a plain probe where speculation's lead is small)."""
+      (`DSpark.wants_draft` runs such a plain probe where speculation's lead is small).
+    - paired readings (`paired_ratio`): a moving average is measured in its own stretch of a
+      closed loop, and plain decoding's steps at 32 requests delivered 0.84x to 1.24x of their
+      mean over one loop (rolling 8 steps, `dspark bench-rule`), so two averages measured in
+      different stretches (a drafting mode's while the rule skipped, and plain's now) differ by
+      more than the modes do. A step whose mode differs from the run of steps at R before it
+      gives one paired reading: its rate over that run's (its last PAIR_RUN steps, at least
+      PAIR_RUN_MIN), both measured in the same stretch; their logarithms are averaged per class
+      of R and pair of modes ("plain", "uniform", "ranked")."""
 
     RATE_ALPHA = 0.2  # weight of the newest step in the measured rates (~ the last 10 steps)
     RATE_MIN_STEPS = 4  # steps at R before a measured rate or correction is used
@@ -293,6 +303,10 @@ class DraftCost:
     # the rule drafted (the cell's own plain steps ran at ~410), and it drafted 231 of 241
     # steps at 0.96x plain decoding
     PLAIN_STALE_STEPS = 32
+    PAIR_RUN = 8  # a paired reading compares a step with the last ≤ 8 steps of the run before it
+    PAIR_RUN_MIN = 3  # ... of at least 3 steps
+    PAIR_ALPHA = 0.3  # weight of the newest paired reading (~ the last 3 mode changes)
+    PAIR_MIN = 2  # paired readings of a class of R before `paired_ratio` answers
 
     def __init__(self, seconds: dict[int, float] | None = None, alpha: float = 0.2,
                  learn: bool = True, overhead_alpha: float = 0.1) -> None:
@@ -312,6 +326,10 @@ class DraftCost:
         self._steps = 0  # whole steps observed (`observe_rate`)
         self._plain_seen: dict[int, int] = {}  # R -> `_steps` at its last plain step (or planned probe)
         self._refresh: set[int] = set()  # R whose next plain step replaces its plain average
+        # R -> (mode of its latest steps, their (tokens, seconds), at most PAIR_RUN)
+        self._run: dict[int, tuple[str, deque[tuple[float, float]]]] = {}
+        # (class of R, mode, against) -> [readings, moving average of ln(mode's rate / against's)]
+        self._paired: dict[tuple[int, str, str], list[float]] = {}
 
     def observe(self, num_requests: int, seconds: float) -> None:
         if self.learn:
@@ -401,6 +419,39 @@ class DraftCost:
         cell = (self._uniform_rates.setdefault(num_requests, [0, 0.0, 0.0]) if speculative and uniform
                 else self._rates.setdefault((num_requests, speculative), [0, 0.0, 0.0]))
         self._average(cell, tokens, seconds, alpha=1.0 if restart else None)
+        self._pair(num_requests, ("uniform" if uniform else "ranked") if speculative else "plain",
+                   tokens, seconds)
+
+    def _pair(self, num_requests: int, mode: str, tokens: float, seconds: float) -> None:
+        """A step of `mode` at R: a paired reading if the run of steps at R before it was of
+        another mode (and long enough), then the step joins (or starts) R's run."""
+        run = self._run.get(num_requests)
+        if run is None or run[0] != mode:
+            if run is not None and len(run[1]) >= self.PAIR_RUN_MIN:
+                before = sum(t for t, _ in run[1]) / sum(s for _, s in run[1])
+                x = math.log(tokens / seconds / before) if tokens > 0 and before > 0 else None
+                if x is not None:
+                    c = num_requests.bit_length()
+                    self._average(self._paired.setdefault((c, mode, run[0]), [0, 0.0]), x,
+                                  alpha=self.PAIR_ALPHA)
+                    self._average(self._paired.setdefault((c, run[0], mode), [0, 0.0]), -x,
+                                  alpha=self.PAIR_ALPHA)
+            run = self._run[num_requests] = (mode, deque(maxlen=self.PAIR_RUN))
+        run[1].append((tokens, seconds))
+
+    def paired_ratios(self) -> dict[str, dict[int, float]]:
+        """{"mode/against": {class of R's smallest R: paired ratio}} with PAIR_MIN readings (for reports)."""
+        out: dict[str, dict[int, float]] = {}
+        for (c, mode, against), cell in sorted(self._paired.items()):
+            if cell[0] >= self.PAIR_MIN:
+                out.setdefault(f"{mode}/{against}", {})[1 << (c - 1)] = math.exp(cell[1])
+        return out
+
+    def paired_ratio(self, num_requests: int, mode: str, against: str) -> float | None:
+        """`mode`'s rate over `against`'s at R's class from paired readings (each a step and the
+        steps just before it: `_pair`), None until PAIR_MIN of them."""
+        cell = self._paired.get((num_requests.bit_length(), mode, against))
+        return None if cell is None or cell[0] < self.PAIR_MIN else math.exp(cell[1])
 
     def plain_stale(self, num_requests: int) -> bool:
         """R's plain rate is measured, but no plain step has run at R for PLAIN_STALE_STEPS steps."""
