@@ -89,9 +89,9 @@ def fit_prompts(prompts: list[list[int]], spec: wiring.Spec, max_tokens: int) ->
 
 # ---------------------------------------------------------------- our engine
 
-class _ClosedLoop:
-    """One engine's closed loop in `run_closed_loops`: its requests and its own clock (the
-    seconds spent inside its own `step()` calls)."""
+class ClosedLoop:
+    """One engine's closed loop in `run_closed_loops` (and `dspark bench-rule`): its requests and
+    its own clock (the seconds spent inside its own `step()` calls)."""
 
     def __init__(self, engine, prompts: list[list[int]], concurrency: int, num_requests: int,
                  max_tokens: int | list[int], params: SamplingParams) -> None:
@@ -171,7 +171,7 @@ def run_closed_loops(engines: dict[str, object], prompts: list[list[int]], concu
     where runs one after another each meet their own. The engines may share a target and drafter
     (each request holds its own KV slot: the target needs concurrency × engines slots)."""
     caps = max_tokens if isinstance(max_tokens, dict) else dict.fromkeys(engines, max_tokens)
-    loops = {name: _ClosedLoop(engine, prompts, concurrency, num_requests, caps[name], params)
+    loops = {name: ClosedLoop(engine, prompts, concurrency, num_requests, caps[name], params)
              for name, engine in engines.items()}
     while any(loop.engine.has_work() for loop in loops.values()):
         for loop in loops.values():

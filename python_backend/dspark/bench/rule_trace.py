@@ -23,7 +23,7 @@ import torch
 from tqdm import tqdm
 
 from dspark import paths, wiring
-from dspark.bench.e2e import _ClosedLoop, fit_prompts, load_prompts
+from dspark.bench.e2e import ClosedLoop, fit_prompts, load_prompts
 from dspark.runtime.sampling import SamplingParams
 
 ENGINES = ("dspark", "plain", "mtp1")
@@ -42,7 +42,7 @@ def trace_loops(engines: dict, prompts: list[list[int]], concurrency: int, num_r
     steps [{R, tokens, seconds (decode), prefill_s, mode ("plain" | "uniform" | "ranked"),
     and for a policy that counts drafting its rule's rates after the step}]."""
     lengths = [max_tokens] * len(prompts)  # every request generates exactly max_tokens (no stop)
-    loops = {name: _ClosedLoop(e, prompts, concurrency, num_requests, lengths, SamplingParams())
+    loops = {name: ClosedLoop(e, prompts, concurrency, num_requests, lengths, SamplingParams())
              for name, e in engines.items()}
     steps: dict[str, list[dict]] = {name: [] for name in engines}
     with tqdm(desc="bench-rule", unit="step") as bar:
