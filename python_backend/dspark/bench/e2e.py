@@ -35,6 +35,7 @@ import argparse
 import json
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -158,7 +159,8 @@ class ClosedLoop:
 
 def run_closed_loops(engines: dict[str, object], prompts: list[list[int]], concurrency: int,
                      num_requests: int, max_tokens: int | list[int] | dict[str, int | list[int]],
-                     params: SamplingParams) -> dict[str, dict]:
+                     params: SamplingParams,
+                     step: Callable[[str, ClosedLoop], None] | None = None) -> dict[str, dict]:
     """One closed loop per engine (a policy each), run side by side: one step of each in turn,
     each timed on its own clock, the seconds inside its own steps. Per engine, `num_requests`
     requests (prompts in turn), `concurrency` in flight at all times (a new one joins when one
@@ -169,14 +171,18 @@ def run_closed_loops(engines: dict[str, object], prompts: list[list[int]], concu
     Step by step side by side, a slow spell of a shared machine (minutes long on the 2-core VMs:
     one plain run measured 97 and 121 tokens/s two minutes apart) slows every policy alike,
     where runs one after another each meet their own. The engines may share a target and drafter
-    (each request holds its own KV slot: the target needs concurrency × engines slots)."""
+    (each request holds its own KV slot: the target needs concurrency × engines slots).
+    step(name, loop): runs one step of a loop in its place (`loop.step()`), e.g. to record it."""
     caps = max_tokens if isinstance(max_tokens, dict) else dict.fromkeys(engines, max_tokens)
     loops = {name: ClosedLoop(engine, prompts, concurrency, num_requests, caps[name], params)
              for name, engine in engines.items()}
     while any(loop.engine.has_work() for loop in loops.values()):
-        for loop in loops.values():
+        for name, loop in loops.items():
             if loop.engine.has_work():
-                loop.step()
+                if step is None:
+                    loop.step()
+                else:
+                    step(name, loop)
     return {name: loop.result() for name, loop in loops.items()}
 
 

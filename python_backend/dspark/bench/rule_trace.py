@@ -23,7 +23,7 @@ import torch
 from tqdm import tqdm
 
 from dspark import paths, wiring
-from dspark.bench.e2e import ClosedLoop, fit_prompts, load_prompts
+from dspark.bench.e2e import ClosedLoop, fit_prompts, load_prompts, run_closed_loops
 from dspark.runtime.sampling import SamplingParams
 
 ENGINES = ("dspark", "plain", "mtp1")
@@ -41,32 +41,31 @@ def trace_loops(engines: dict, prompts: list[list[int]], concurrency: int, num_r
     """`run_closed_loops` with every step recorded -> per engine: aggregate tokens/s and its
     steps [{R, tokens, seconds (decode), prefill_s, mode ("plain" | "uniform" | "ranked"),
     and for a policy that counts drafting its rule's rates after the step}]."""
-    lengths = [max_tokens] * len(prompts)  # every request generates exactly max_tokens (no stop)
-    loops = {name: ClosedLoop(e, prompts, concurrency, num_requests, lengths, SamplingParams())
-             for name, e in engines.items()}
     steps: dict[str, list[dict]] = {name: [] for name in engines}
-    with tqdm(desc="bench-rule", unit="step") as bar:
-        while any(loop.engine.has_work() for loop in loops.values()):
-            for name, loop in loops.items():
-                e = loop.engine
-                if not e.has_work():
-                    continue
-                r = sum(not q.finished for q in loop.reqs)
-                before = _totals(e)
-                loop.step()
-                after = _totals(e)
-                drafted, uniform = after[1] > before[1], after[2] > before[2]
-                row = {"R": r, "tokens": after[0] - before[0], "seconds": after[3] - before[3],
-                       "prefill_s": after[4] - before[4],
-                       "mode": ("uniform" if uniform else "ranked") if drafted else "plain"}
-                p = e.policy
-                if p is not None and p.counts_drafting:
-                    plain_rate, ranked, uniform_rate = p.last_rates[2], p.last_rates[1], p.last_uniform_rate
-                    row["rule"] = {"plain": plain_rate, "ranked": ranked, "uniform": uniform_rate}
-                steps[name].append(row)
-            bar.update()
-    return {name: {"aggregate": loop.result()["aggregate"], "steps": steps[name]}
-            for name, loop in loops.items()}
+    bar = tqdm(desc="bench-rule", unit="engine step")
+
+    def recorded(name: str, loop: ClosedLoop) -> None:
+        e = loop.engine
+        r = sum(not q.finished for q in loop.reqs)
+        before = _totals(e)
+        loop.step()
+        after = _totals(e)
+        drafted, uniform = after[1] > before[1], after[2] > before[2]
+        row = {"R": r, "tokens": after[0] - before[0], "seconds": after[3] - before[3],
+               "prefill_s": after[4] - before[4],
+               "mode": ("uniform" if uniform else "ranked") if drafted else "plain"}
+        p = e.policy
+        if p is not None and p.counts_drafting:
+            row["rule"] = {"plain": p.last_rates[2], "ranked": p.last_rates[1],
+                           "uniform": p.last_uniform_rate}
+        steps[name].append(row)
+        bar.update()
+
+    lengths = [max_tokens] * len(prompts)  # every request generates exactly max_tokens (no stop)
+    with bar:
+        runs = run_closed_loops(engines, prompts, concurrency, num_requests, lengths, SamplingParams(),
+                                step=recorded)
+    return {name: {"aggregate": run["aggregate"], "steps": steps[name]} for name, run in runs.items()}
 
 
 def summarize(engines: dict[str, dict]) -> dict:

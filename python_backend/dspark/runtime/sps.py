@@ -429,9 +429,8 @@ class DraftCost:
         if run is None or run[0] != mode:
             if run is not None and len(run[1]) >= self.PAIR_RUN_MIN:
                 before = sum(t for t, _ in run[1]) / sum(s for _, s in run[1])
-                x = math.log(tokens / seconds / before) if tokens > 0 and before > 0 else None
-                if x is not None:
-                    c = num_requests.bit_length()
+                if tokens > 0 and before > 0:
+                    x, c = math.log(tokens / seconds / before), num_requests.bit_length()
                     self._average(self._paired.setdefault((c, mode, run[0]), [0, 0.0]), x,
                                   alpha=self.PAIR_ALPHA)
                     self._average(self._paired.setdefault((c, run[0], mode), [0, 0.0]), -x,
