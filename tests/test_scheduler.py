@@ -628,44 +628,6 @@ def test_cost_rule_weighs_the_uniform_shape_by_its_paired_ratio():
     assert unpaired.last_uniform_rate == pytest.approx(640.0)
 
 
-def test_cost_rule_weighs_the_ranked_shape_by_its_paired_bias():
-    """The ranked side is plain's rate times the model's ranked/plain ratio times its paired bias
-    once there is one: ranked steps delivered 0.9x the plain steps around them (the model said
-    ~1.04x), and plain decoding then fell into a slow stretch (800 -> 560 tokens/s). The
-    average of ranked steps (720, read in the fast stretch) against plain's (~600, the slow one)
-    says draft; the paired readings say skip. Without two readings it weighs the averages."""
-    flat = SPSTable([1, 1024], [100.0, 99.0])
-    r, gamma = 8, 7
-
-    def policy_after(stretches: list[tuple[str, float, int]]):
-        policy = make_policy("dspark", sps=flat, gamma=gamma, draft_cost=DraftCost({r: 0.002}))
-        fair = torch.full((r, gamma), 0.2).cumprod(1)  # the model: ranked ~1.04x plain
-        for _ in range(2):
-            policy.decide(fair, torch.full((r,), 1000))
-        policy.wants_draft(r)
-        predicted, _, modelled_plain = policy.last_rates  # nothing measured yet: the model's plain
-        for mode, rate, n in stretches:
-            for _ in range(n):
-                if mode == "ranked":  # what the rule records before a ranked step
-                    policy.draft_cost.observe_prediction(r, predicted, modelled_plain)
-                policy.draft_cost.observe_rate(r, mode != "plain", rate, 1.0, uniform=mode == "uniform")
-        return policy, predicted / modelled_plain
-
-    slow_uniform = [("uniform", 400.0, 4)]  # measured, and far behind
-    stretches = slow_uniform + [("plain", 800.0, 4), ("ranked", 720.0, 4), ("plain", 800.0, 4),
-                                ("ranked", 720.0, 4), ("plain", 800.0, 1), ("plain", 560.0, 8)]
-    policy, model_ratio = policy_after(stretches)
-    assert policy.draft_cost.paired_bias(r) == pytest.approx(0.9 / model_ratio)
-    assert not policy.wants_draft(r)
-    assert policy.last_rates[1] == pytest.approx(0.9 * policy.last_rates[2])
-    assert policy.last_rates[2] < 620  # plain's average: the slow stretch
-    one_reading = slow_uniform + [("ranked", 720.0, 4), ("plain", 560.0, 8)]
-    unpaired, _ = policy_after(one_reading)
-    assert unpaired.draft_cost.paired_bias(r) is None
-    assert unpaired.wants_draft(r) and unpaired._next_shape == "ranked"
-    assert unpaired.last_rates[1] == pytest.approx(720.0)  # the model x measured / predicted
-
-
 def test_cost_rule_refreshes_a_stale_plain_rate():
     """A measured plain rate is refreshed only by plain steps, which the rule stops running once
     drafting pays: after PLAIN_STALE_STEPS steps without one at R, a plain probe runs where

@@ -483,18 +483,16 @@ class DSpark(Policy):
         assert drafted is not None  # the SPS table and t_draft are known here
         rate = drafted[num_requests + 1:num_requests + room + 1]
         predicted = float(np.max((num_requests + gains) * rate))
-        modelled_plain = self._modelled_plain_rate(num_requests)
-        plain = self.draft_cost.plain_rate(num_requests) or modelled_plain
-        corrected = self._ranked_rate(num_requests, predicted, modelled_plain, plain)
+        plain = self._plain_rate(num_requests)
+        correction = self.draft_cost.speculative_correction(num_requests)
+        corrected = predicted * (1.0 if correction is None else correction)
         uniform = self._uniform_rate(num_requests, plain) if self.draft_cost.learn else None
         self.last_rates, self.last_uniform_rate = (predicted, corrected, plain), uniform
         probe = self.probe_state(num_requests)
         best = max(corrected, uniform or 0.0)
         # the margin guards against the measured rates' noise (the model alone has none)
-        cost = self.draft_cost
-        measured = (uniform is not None or cost.plain_rate(num_requests) is not None
-                    or cost.paired_bias(num_requests) is not None
-                    or cost.speculative_correction(num_requests) is not None)
+        measured = (uniform is not None or correction is not None
+                    or self.draft_cost.plain_rate(num_requests) is not None)
         margin = self.draft_margin if measured else 1.0
         explore = (self.draft_cost.learn and uniform is None and num_requests >= 2
                    and self._uniform_tries.get(num_requests, 0) < DraftCost.RATE_MIN_STEPS)
@@ -514,34 +512,16 @@ class DSpark(Policy):
             return False
         self._next_shape = self._pick_shape(num_requests, corrected, uniform)
         if self._next_shape == "ranked":
-            # a ranked step follows
-            self.draft_cost.observe_prediction(num_requests, predicted, modelled_plain)
+            self.draft_cost.observe_prediction(num_requests, predicted)  # a ranked step follows
         return True
 
-    def _modelled_plain_rate(self, num_requests: int) -> float:
-        """Plain decoding's tokens/s at R as the model prices it (`DraftCost.plain_step`)."""
-        base_s = 1.0 / float(self.sps_for(num_requests)[num_requests])  # type: ignore[index]
-        return num_requests / max(self.draft_cost.plain_step(num_requests, base_s), MIN_STEP_S)
-
     def _plain_rate(self, num_requests: int) -> float:
-        """Plain decoding's tokens/s at R: measured, else the model's."""
-        return self.draft_cost.plain_rate(num_requests) or self._modelled_plain_rate(num_requests)
-
-    def _ranked_rate(self, num_requests: int, predicted: float, modelled_plain: float,
-                     plain: float) -> float:
-        """The ranked shape's tokens/s at R: plain × the model's ranked/plain ratio now × its
-        paired bias (`DraftCost.paired_bias`: ranked and plain steps measured in the same
-        stretch of the loop, over the model's ratio at those steps) once there is one, else the
-        model × `DraftCost.speculative_correction` (measured over predicted ranked rates at R).
-        The model keeps its response to the survivals either way; the correction alone set an
-        average of ranked steps read in one stretch against plain's read in another: at 16
-        requests dspark ran 20 ranked steps after a plain reading fell in a slow stretch, at
-        0.97x the plain steps around them."""
-        bias = self.draft_cost.paired_bias(num_requests)
-        if bias is not None:
-            return plain * predicted / modelled_plain * bias
-        correction = self.draft_cost.speculative_correction(num_requests)
-        return predicted * (1.0 if correction is None else correction)
+        """Plain decoding's tokens/s at R: measured, else the model's (`DraftCost.plain_step`)."""
+        plain = self.draft_cost.plain_rate(num_requests)
+        if plain is None:
+            base_s = 1.0 / float(self.sps_for(num_requests)[num_requests])  # type: ignore[index]
+            plain = num_requests / max(self.draft_cost.plain_step(num_requests, base_s), MIN_STEP_S)
+        return plain
 
     def _uniform_rate(self, num_requests: int, plain: float) -> float | None:
         """The uniform shape's tokens/s at R: plain × its paired ratio to plain decoding in R's

@@ -285,10 +285,7 @@ class DraftCost:
       more than the modes do. A step whose mode differs from the run of steps at R before it
       gives one paired reading: its rate over that run's (its last PAIR_RUN steps, at least
       PAIR_RUN_MIN), both measured in the same stretch; their logarithms are averaged per class
-      of R and pair of modes ("plain", "uniform", "ranked"). A ranked step's rate depends on
-      its survivals, so its readings against plain decoding are also kept over the model's own
-      ranked/plain ratio at those steps (`observe_prediction`): `paired_bias`, which the rule
-      applies to the model's ratio now."""
+      of R and pair of modes ("plain", "uniform", "ranked")."""
 
     RATE_ALPHA = 0.2  # weight of the newest step in the measured rates (~ the last 10 steps)
     RATE_MIN_STEPS = 4  # steps at R before a measured rate or correction is used
@@ -333,8 +330,6 @@ class DraftCost:
         self._run: dict[int, tuple[str, deque[tuple[float, float]]]] = {}
         # (class of R, mode, against) -> [readings, moving average of ln(mode's rate / against's)]
         self._paired: dict[tuple[int, str, str], list[float]] = {}
-        self._model_ratio: dict[int, float] = {}  # R -> ln(the model's ranked/plain) at its latest prediction
-        self._bias: dict[int, list[float]] = {}  # class of R -> [readings, moving avg of ln(paired / model)]
 
     def observe(self, num_requests: int, seconds: float) -> None:
         if self.learn:
@@ -440,24 +435,15 @@ class DraftCost:
                                   alpha=self.PAIR_ALPHA)
                     self._average(self._paired.setdefault((c, run[0], mode), [0, 0.0]), -x,
                                   alpha=self.PAIR_ALPHA)
-                    model = self._model_ratio.get(num_requests)
-                    if {mode, run[0]} == {"ranked", "plain"} and model is not None:
-                        ranked_over_plain = x if mode == "ranked" else -x
-                        self._average(self._bias.setdefault(c, [0, 0.0]), ranked_over_plain - model,
-                                      alpha=self.PAIR_ALPHA)
             run = self._run[num_requests] = (mode, deque(maxlen=self.PAIR_RUN))
         run[1].append((tokens, seconds))
 
     def paired_ratios(self) -> dict[str, dict[int, float]]:
-        """{"mode/against": {class of R's smallest R: paired ratio}} with PAIR_MIN readings, and the
-        ranked side's paired bias (for reports)."""
+        """{"mode/against": {class of R's smallest R: paired ratio}} with PAIR_MIN readings (for reports)."""
         out: dict[str, dict[int, float]] = {}
         for (c, mode, against), cell in sorted(self._paired.items()):
             if cell[0] >= self.PAIR_MIN:
                 out.setdefault(f"{mode}/{against}", {})[1 << (c - 1)] = math.exp(cell[1])
-        for c, cell in sorted(self._bias.items()):  # `paired_bias`, unclipped
-            if cell[0] >= self.PAIR_MIN:
-                out.setdefault("ranked/plain over the model's", {})[1 << (c - 1)] = math.exp(cell[1])
         return out
 
     def paired_ratio(self, num_requests: int, mode: str, against: str) -> float | None:
@@ -465,16 +451,6 @@ class DraftCost:
         steps just before it: `_pair`), None until PAIR_MIN of them."""
         cell = self._paired.get((num_requests.bit_length(), mode, against))
         return None if cell is None or cell[0] < self.PAIR_MIN else math.exp(cell[1])
-
-    def paired_bias(self, num_requests: int) -> float | None:
-        """Paired ranked/plain readings at R's class over the model's ranked/plain ratio at those
-        steps (the ranked step's prediction, or the last one of the ranked run), within
-        CORRECTION_RANGE; None until PAIR_MIN readings."""
-        cell = self._bias.get(num_requests.bit_length())
-        if cell is None or cell[0] < self.PAIR_MIN:
-            return None
-        lo, hi = self.CORRECTION_RANGE
-        return min(max(math.exp(cell[1]), lo), hi)
 
     def plain_stale(self, num_requests: int) -> bool:
         """R's plain rate is measured, but no plain step has run at R for PLAIN_STALE_STEPS steps."""
@@ -487,14 +463,11 @@ class DraftCost:
         self._plain_seen[num_requests] = self._steps
         self._refresh.add(num_requests)
 
-    def observe_prediction(self, num_requests: int, rate: float, plain: float | None = None) -> None:
-        """The rule's model predicted `rate` tokens/second for a speculative step of R requests
-        (and `plain` for a plain one: their ratio pairs with the step's paired reading)."""
+    def observe_prediction(self, num_requests: int, rate: float) -> None:
+        """The rule's model predicted `rate` tokens/second for a speculative step of R requests."""
         if not self.learn:
             return
         self._average(self._predicted.setdefault(num_requests, [0, 0.0]), rate)
-        if plain is not None and rate > 0 and plain > 0:
-            self._model_ratio[num_requests] = math.log(rate / plain)
 
     def _average(self, cell: list[float], *values: float, alpha: float | None = None) -> None:
         """One more observation: cell[0] counts them, cell[1:] average `values`: the plain mean
