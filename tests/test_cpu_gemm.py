@@ -191,6 +191,22 @@ def test_bench_cpu_gemm_writes_every_kernel(tmp_path):
 
 
 @needs_dot_kernel
+def test_dot_prefetch_changes_no_bit():
+    """The bf16 kernel's prefetch of the next column group (from 7 rows, two tiles or more) moves
+    data, not arithmetic: the build without it (`bench-cpu-gemm --dtype bf16 --without-prefetch`)
+    gives bit-identical outputs, over rows of one, two and four tiles and enough groups that the
+    prefetch runs to the last one."""
+    variant = cpu_gemm.dot_library(("BF16_DOT_NO_PREFETCH",))
+    assert variant is not None and variant is not cpu_gemm.dot_library()
+    torch.manual_seed(2)
+    w, b = torch.randn(200, 96).bfloat16(), torch.randn(200)
+    with_prefetch, without = cpu_gemm.DotBf16Linear(w, b), cpu_gemm.DotBf16Linear(w, b, lib=variant)
+    for rows in (1, 6, 7, 8, 13, 19):
+        x = torch.randn(rows, 96).bfloat16()
+        assert torch.equal(with_prefetch(x), without(x))
+
+
+@needs_dot_kernel
 @pytest.mark.parametrize("n,k", [(40, 64), (17, 33), (1, 5), (130, 576), (70, 1536)])
 def test_dot_bf16_linear_matches_f_linear(n, k):
     """Every shape (N not a multiple of the 64-column group, K odd, rows not a multiple of the

@@ -4,7 +4,8 @@ against oneDNN's bf16 matmul as served, short row counts padded to `linear.BF16_
 over one forward's projections of the model (every layer's qkv, o, gate_up and down, then the
 LM head; weights of those shapes) at the row counts a decode,
 a verify, a batched step and a prefill send. `--without-prefetch` adds our kernel built without
-its prefetch of the next column blocks (what the prefetch buys); `--bf16-weights` our kernel
+its prefetch of the next column blocks (what the prefetch buys; with `--dtype bf16` the dot
+kernel built without its prefetch of the next column group); `--bf16-weights` our kernel
 over the same weights rounded to bf16 (half the bytes to stream; fp32 arithmetic). They run
 interleaved in rounds, each round starting with the next one (drift hits all alike); per row
 count the median over rounds. Also checks the kernel against F.linear, its batch invariance,
@@ -63,7 +64,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--rows", default="1,2,3,4,5,6,7,8,12,16,32,64,128,256")
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--without-prefetch", action="store_true",
-                   help="also time the kernel built without its prefetch (-DROWS_GEMM_NO_PREFETCH)")
+                   help="also time the kernel built without its prefetch (-DROWS_GEMM_NO_PREFETCH; "
+                        "--dtype bf16: -DBF16_DOT_NO_PREFETCH)")
     p.add_argument("--bf16-weights", action="store_true",
                    help="also time the kernel over the weights rounded to bf16 (`rows_gemm_bf16`)")
     p.add_argument("--out", default=None, help="default: results/cpu_gemm_<model>_cpu_<kind>.json")
@@ -74,9 +76,9 @@ def main(args: argparse.Namespace) -> int:
     if bf16 and cpu_gemm.dot_library() is None:
         raise SystemExit("dspark bench-cpu-gemm --dtype bf16: the bf16 dot-product kernel cannot be built "
                          "here (needs a C compiler and an x86 CPU with AVX512-BF16)")
-    if bf16 and (args.without_prefetch or args.bf16_weights):
-        raise SystemExit("dspark bench-cpu-gemm: --without-prefetch and --bf16-weights time the fp32 "
-                         "kernel; leave them out with --dtype bf16")
+    if bf16 and args.bf16_weights:
+        raise SystemExit("dspark bench-cpu-gemm: --bf16-weights times the fp32 kernel; leave it out "
+                         "with --dtype bf16")
     if not bf16 and cpu_gemm.library() is None:
         raise SystemExit("dspark bench-cpu-gemm: the rows kernel cannot be built here "
                          "(needs a C compiler and an x86 CPU with AVX2 + FMA)")
@@ -89,12 +91,14 @@ def main(args: argparse.Namespace) -> int:
     weights = [([(torch.randn(n, k) * 0.02).to(dtype) for _ in range(count)], k) for _, n, k, count in shapes]
     kernels: dict[str, Callable[[torch.Tensor], object]] = {
         "onednn": linear.PackedLinear, "rows": cpu_gemm.DotBf16Linear if bf16 else cpu_gemm.RowsLinear}
-    variant = None
+    variant_of: Callable | None = None
     if args.without_prefetch:
-        variant = cpu_gemm.library(("ROWS_GEMM_NO_PREFETCH",))
+        variant = (cpu_gemm.dot_library(("BF16_DOT_NO_PREFETCH",)) if bf16
+                   else cpu_gemm.library(("ROWS_GEMM_NO_PREFETCH",)))
         if variant is None:
             raise SystemExit("dspark bench-cpu-gemm: the kernel without prefetch failed to build")
-        kernels["rows_no_prefetch"] = partial(cpu_gemm.RowsLinear, lib=variant)
+        variant_of = partial(cpu_gemm.DotBf16Linear if bf16 else cpu_gemm.RowsLinear, lib=variant)
+        kernels["rows_no_prefetch"] = variant_of
     if args.bf16_weights:
         kernels["rows_bf16"] = lambda w: cpu_gemm.RowsLinear(w.bfloat16())
     fns = {name: [([make(w) for w in group], k) for group, k in weights] for name, make in kernels.items()}
@@ -122,8 +126,8 @@ def main(args: argparse.Namespace) -> int:
     extra = {}
     if args.without_prefetch:
         extra["rows_no_prefetch_over_rows_paired"] = paired("rows_no_prefetch", "rows")
-        variant_lin = cpu_gemm.RowsLinear(w, lib=variant)
-        extra["rows_no_prefetch_bit_identical"] = torch.equal(variant_lin(x), rows_lin(x))
+        assert variant_of is not None
+        extra["rows_no_prefetch_bit_identical"] = torch.equal(variant_of(w)(x), rows_lin(x))
     if args.bf16_weights:
         extra["rows_over_rows_bf16_paired"] = paired("rows", "rows_bf16")
         extra["rows_bf16_bit_identical_to_rows_on_bf16_values"] = torch.equal(

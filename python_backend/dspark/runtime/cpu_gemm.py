@@ -103,12 +103,13 @@ def library(defines: tuple[str, ...] = ()) -> ctypes.CDLL | None:
                                                  "rows_gemm": GEMM, "rows_gemm_bf16": GEMM}, defines)
 
 
-@lru_cache(maxsize=1)
-def dot_library() -> ctypes.CDLL | None:
-    """The bf16 dot-product kernel library (kernels/cpu/bf16_dot_gemm.c), or None where it cannot
-    run here (no AVX512-BF16, or no build): callers fall back to oneDNN."""
+@lru_cache(maxsize=4)
+def dot_library(defines: tuple[str, ...] = ()) -> ctypes.CDLL | None:
+    """The bf16 dot-product kernel library (kernels/cpu/bf16_dot_gemm.c; `defines` picks a variant
+    such as BF16_DOT_NO_PREFETCH, for benchmarks), or None where it cannot run here (no
+    AVX512-BF16, or no build): callers fall back to oneDNN."""
     return load(DOT_SOURCE, DOT_FLAGS, {"avx512f", "avx512bw", "avx512vl", "avx512_bf16"},
-                {"bf16_dot_pack": PACK, "bf16_dot_gemm": GEMM})
+                {"bf16_dot_pack": PACK, "bf16_dot_gemm": GEMM}, defines)
 
 
 def holds_bf16(weight: torch.Tensor) -> bool:
