@@ -628,6 +628,39 @@ def test_cost_rule_weighs_the_uniform_shape_by_its_paired_ratio():
     assert unpaired.last_uniform_rate == pytest.approx(640.0)
 
 
+def test_step_shape_follows_paired_readings_of_the_two_shapes():
+    """Once ranked and uniform steps have paired readings (each a step against the run of the
+    other shape just before it), they pick the shape: ranked steps delivered 0.9x the uniform
+    steps around them, then ran in a fast stretch (900 tokens/s), so the model times its
+    measured/predicted average says ranked while the readings say uniform. Without two readings
+    the averages decide (ranked)."""
+    flat = SPSTable([1, 1024], [100.0, 99.0])
+    r, gamma = 8, 7
+
+    def policy_after(stretches: list[tuple[str, float, int]]):
+        policy = make_policy("dspark", sps=flat, gamma=gamma, draft_cost=DraftCost({r: 0.002}))
+        fair = torch.full((r, gamma), 0.2).cumprod(1)
+        for _ in range(2):
+            policy.decide(fair, torch.full((r,), 1000))
+        policy.wants_draft(r)
+        predicted = policy.last_rates[0]
+        for mode, rate, n in stretches:
+            for _ in range(n):
+                if mode == "ranked":  # what the rule records before a ranked step
+                    policy.draft_cost.observe_prediction(r, predicted)
+                policy.draft_cost.observe_rate(r, True, rate, 1.0, uniform=mode == "uniform")
+        return policy
+
+    policy = policy_after([("uniform", 700.0, 4), ("ranked", 630.0, 4), ("uniform", 700.0, 4),
+                           ("ranked", 630.0, 1), ("ranked", 900.0, 8)])
+    assert policy.draft_cost.paired_ratio(r, "ranked", "uniform") == pytest.approx(0.9)
+    assert policy.wants_draft(r) and policy._next_shape == "uniform"
+    assert policy.last_rates[1] > policy.draft_margin * policy.last_uniform_rate  # the averages: ranked
+    unpaired = policy_after([("uniform", 700.0, 4), ("ranked", 900.0, 8)])  # one reading
+    assert unpaired.draft_cost.paired_ratio(r, "ranked", "uniform") is None
+    assert unpaired.wants_draft(r) and unpaired._next_shape == "ranked"
+
+
 def test_cost_rule_refreshes_a_stale_plain_rate():
     """A measured plain rate is refreshed only by plain steps, which the rule stops running once
     drafting pays: after PLAIN_STALE_STEPS steps without one at R, a plain probe runs where
