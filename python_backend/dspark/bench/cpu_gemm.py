@@ -91,14 +91,12 @@ def main(args: argparse.Namespace) -> int:
     weights = [([(torch.randn(n, k) * 0.02).to(dtype) for _ in range(count)], k) for _, n, k, count in shapes]
     kernels: dict[str, Callable[[torch.Tensor], object]] = {
         "onednn": linear.PackedLinear, "rows": cpu_gemm.DotBf16Linear if bf16 else cpu_gemm.RowsLinear}
-    variant_of: Callable | None = None
     if args.without_prefetch:
         variant = (cpu_gemm.dot_library(("BF16_DOT_NO_PREFETCH",)) if bf16
                    else cpu_gemm.library(("ROWS_GEMM_NO_PREFETCH",)))
         if variant is None:
             raise SystemExit("dspark bench-cpu-gemm: the kernel without prefetch failed to build")
-        variant_of = partial(cpu_gemm.DotBf16Linear if bf16 else cpu_gemm.RowsLinear, lib=variant)
-        kernels["rows_no_prefetch"] = variant_of
+        kernels["rows_no_prefetch"] = partial(kernels["rows"], lib=variant)
     if args.bf16_weights:
         kernels["rows_bf16"] = lambda w: cpu_gemm.RowsLinear(w.bfloat16())
     fns = {name: [([make(w) for w in group], k) for group, k in weights] for name, make in kernels.items()}
@@ -126,8 +124,7 @@ def main(args: argparse.Namespace) -> int:
     extra = {}
     if args.without_prefetch:
         extra["rows_no_prefetch_over_rows_paired"] = paired("rows_no_prefetch", "rows")
-        assert variant_of is not None
-        extra["rows_no_prefetch_bit_identical"] = torch.equal(variant_of(w)(x), rows_lin(x))
+        extra["rows_no_prefetch_bit_identical"] = torch.equal(kernels["rows_no_prefetch"](w)(x), rows_lin(x))
     if args.bf16_weights:
         extra["rows_over_rows_bf16_paired"] = paired("rows", "rows_bf16")
         extra["rows_bf16_bit_identical_to_rows_on_bf16_values"] = torch.equal(
