@@ -558,16 +558,27 @@ def test_measured_rates_count_each_step_in_its_mode(target, prompts, reference):
     assert all(c[2] < 0.03 and c[1] == pytest.approx(r) for r, c in plain.items())
 
 
-def test_catching_up_the_drafter_counts_with_the_drafted_step(target, prompts, reference):
+class SlowCatchUp(Recording):
+    """n-gram drafter whose `flush` (the engine calls it after a catch-up of deferred rows) takes
+    40 ms."""
+
+    def flush(self) -> None:
+        time.sleep(0.04)
+
+
+def test_catching_up_the_drafter_counts_with_the_drafted_step_amortized(target, prompts, reference):
     """A plain step before drafting resumes hands the drafter the rows deferred over the plain run
-    (one extend): that is the coming drafted step's cost, so the plain rate the rule trusts
-    leaves it out and the drafted step's carries it (before, the plain step before each probe
-    carried the catch-up of the ~16 plain steps since the last one, in the rate drafting is
-    compared with)."""
-    spec, plain = measured_rate_cells(SpecEngine(target, SlowExtend(4), every_nth_step("dspark", 3), sps=SPS),
-                                      target, prompts, reference)
-    assert all(c[2] < 0.03 for c in plain.values())  # no 40 ms extend in a plain step's rate
-    assert all(c[2] >= 0.04 for c in spec.values())
+    of k steps (one extend, then the drafter's `flush`): a cost of drafting, so the plain rate
+    the rule trusts leaves it out, and the drafted step after it carries 1 / (k + 1) of it, what
+    catching up costs a step once drafting goes on (before, the plain step before each probe
+    carried the catch-up of the ~16 plain steps since the last one; then the drafted step
+    carried all of it, and at 16 requests a uniform step read 0.86x plain decoding while MTP-1
+    ran 1.02x plain end to end)."""
+    engine = SpecEngine(target, SlowCatchUp(4), every_nth_step("dspark", 5), sps=SPS)
+    spec, plain = measured_rate_cells(engine, target, prompts, reference)
+    assert all(c[2] < 0.03 for c in plain.values())  # no catch-up in a plain step's rate
+    # one drafted step in 5: 3 deferred steps and the plain one before drafting resumes -> 1/4
+    assert all(0.009 <= c[2] < 0.03 for c in spec.values()), spec
 
 
 def test_deferred_extend_buffer():

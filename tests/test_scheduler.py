@@ -1082,3 +1082,67 @@ def test_top_sums_binned_equals_sorted_prefix_sums():
         ks = np.unique(rng.integers(1, n + 1, size=5)).astype(np.int64)
         want = np.cumsum(np.sort(values.astype(np.float64))[::-1])[ks - 1]
         np.testing.assert_allclose(_top_sums(values, ks), want, rtol=1e-12, atol=1e-12)
+
+
+def test_policy_kernels_equal_their_numpy_reference():
+    """`dspark.runtime.policy_kernels` compute what the numpy they replaced computed, bit for bit
+    (recalibration sums and factors, the drafted step's rate model, the rule's best rate), and
+    `sps.solve3` what numpy's solve does."""
+    from dspark.runtime import policy_kernels as pk
+    from dspark.runtime.sps import solve3
+
+    rng = np.random.default_rng(7)
+    levels = Policy.LEVELS
+    for trial in range(30):
+        r, gamma, sources_n = int(rng.integers(1, 20)), int(rng.integers(1, 9)), 4
+        a = np.sort(rng.random((r, gamma)).astype(np.float32), axis=1)[:, ::-1].copy()
+        a[rng.random((r, gamma)) < 0.1] = 0.0
+        lengths = rng.integers(0, gamma + 2, r).astype(np.int64)
+        accepted = rng.integers(0, gamma + 1, r).astype(np.int64)
+        sources = rng.integers(0, 6, r).astype(np.int64)
+        predicted, hits = rng.random((sources_n, len(levels))) * 8, rng.random((sources_n, len(levels))) * 4
+        want_p, want_h = predicted * 0.99, hits * 0.99
+        # reference: the numpy observe_acceptance
+        a64, j = a.astype(np.float64), np.arange(gamma)[None, :]
+        verified = j < lengths[:, None]
+        hit = verified & (j < accepted[:, None])
+        rows = np.broadcast_to(np.clip(sources, 0, sources_n - 1)[:, None], a.shape)
+        cell = (rows * len(levels) + np.searchsorted(levels, a64, side="right") - 1)[verified]
+        want_p += np.bincount(cell, a64[verified], want_p.size).reshape(want_p.shape)
+        want_h += np.bincount(cell, hit[verified], want_h.size).reshape(want_h.shape)
+        pk.recal_observe(a, lengths, accepted, sources, levels, predicted, hits, 0.99)
+        assert np.array_equal(predicted, want_p) and np.array_equal(hits, want_h), trial
+        # reference: the numpy recalibration (factors) and recalibrated (applied)
+        calibrated = rng.random(sources_n) < 0.3
+        ratio = np.divide(hits + 1.0, predicted + 1.0, out=np.ones_like(predicted), where=predicted > 0)
+        learned = predicted >= 4.0
+        factors = np.where(learned, np.clip(ratio, 0.05, 4.0), 1.0)
+        distance = np.abs(np.arange(len(levels))[:, None] - np.arange(len(levels))[None, :]).astype(float)
+        distance = np.where(learned[:, None, :], distance[None], np.inf)
+        factors = np.take_along_axis(factors, distance.argmin(-1), axis=1)
+        factors[calibrated] = 1.0
+        got = pk.recal_factors(predicted, hits, 4.0, 0.05, 4.0, calibrated)
+        assert np.array_equal(got, factors), trial
+        applied = a * factors[rows, np.searchsorted(levels, a64, side="right") - 1].astype(np.float32)
+        assert np.array_equal(pk.recal_apply(a, sources, levels, got), applied), trial
+        # reference: the numpy Policy.step_rate and the rule's best speculative rate
+        sps = np.sort(rng.random(int(rng.integers(2, 200))) * 100 + 1)[::-1].copy()
+        k_a, k_b, k_c, fixed = rng.random(4) * 2
+        price = 1.0 / sps[:r * (gamma + 1) + 1]
+        base = price[min(r, len(price) - 1)]
+        knee = price.copy()
+        knee[2 * r + 1:] = price[min(2 * r, len(price) - 1)]
+        want_rates = 1.0 / np.maximum(fixed + (k_a * base + k_b * (knee - base) + k_c * (price - knee)), 1e-6)
+        rates = pk.drafted_step_rates(sps, r, gamma, k_a, k_b, k_c, fixed, 1e-6)
+        assert np.array_equal(rates, want_rates), trial
+        profile = np.sort(rng.random(256))[::-1].copy()
+        room = min(len(rates) - 1 - r, r * gamma)
+        if room >= 1:
+            n = r * gamma
+            ranked = profile[(2 * np.arange(n) + 1) * 256 // (2 * n)]
+            gains = np.cumsum(ranked[:room], dtype=np.float64)
+            want = float(np.max((r + gains) * rates[r + 1:r + room + 1]))
+            assert pk.best_speculative_rate(profile, r, gamma, room, rates) == want, trial
+        m = rng.normal(size=(3, 3))
+        m, y = m @ m.T + np.eye(3) * rng.random(), rng.normal(size=3)
+        assert np.allclose(solve3(m.tolist(), y.tolist()), np.linalg.solve(m, y), rtol=1e-9, atol=1e-12)

@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from dspark.runtime import ranking
+from dspark.runtime import policy_kernels, ranking
 from dspark.runtime.sps import DraftCost, SPSTable
 
 MIN_STEP_S = 1e-6  # floor of a modelled step time (a negative measured overhead cannot make it ≤ 0)
@@ -88,6 +88,7 @@ class Policy:
         self._predicted = np.zeros((self.SOURCES, len(self.LEVELS)))
         self._accepted = np.zeros((self.SOURCES, len(self.LEVELS)))
         ranking.warm_up()
+        policy_kernels.warm_up()
 
     def reset(self) -> None:
         self._snapshots.clear()
@@ -119,18 +120,15 @@ class Policy:
     SOURCES = 4  # drafter sources recalibrated apart (`DraftBlock.sources`; larger ids share the last)
     # survival levels recalibrated apart: left edges of the bins of a[r, j]
     LEVELS = np.array([0.0, 0.02, 0.05, 0.1, 0.2, 0.35, 0.5, 0.7, 0.85])
-    _LEVEL_DISTANCE = np.abs(np.arange(len(LEVELS))[:, None] - np.arange(len(LEVELS))[None, :]).astype(float)
     # sources the drafter calibrates online itself, uncensored (a hybrid's lookups): taken as they are
     calibrated_sources: frozenset[int] = frozenset()
 
     def _source_rows(self, sources: torch.Tensor | None, num_requests: int) -> np.ndarray:
-        """[R] source index per row (0 when the drafter has one source)."""
+        """[R] i64 source index per row (0 when the drafter has one source; the kernels of
+        `policy_kernels` let ids ≥ SOURCES share the last)."""
         if sources is None:
             return np.zeros(num_requests, dtype=np.int64)
-        return np.clip(sources.cpu().numpy().astype(np.int64), 0, self.SOURCES - 1)
-
-    def _levels(self, a: np.ndarray) -> np.ndarray:
-        return np.searchsorted(self.LEVELS, a, side="right") - 1
+        return sources.cpu().numpy().astype(np.int64, copy=False)
 
     def observe_acceptance(self, survival: torch.Tensor, lengths: torch.Tensor,
                            accepted: torch.Tensor, sources: torch.Tensor | None = None) -> None:
@@ -144,17 +142,11 @@ class Policy:
         batch 1: positions 4-6 accepted 3-4x their survival uncensored, learned 1.5x). Sources
         apart: a hybrid's lookups and its trained drafter err in different directions."""
         gamma = min(survival.shape[1], self.gamma)
-        a = survival[:, :gamma].double().numpy()
-        j = np.arange(gamma)[None, :]
-        verified = j < lengths.numpy()[:, None]
-        hits = verified & (j < accepted.numpy()[:, None])
-        self._predicted *= self.RECAL_DECAY
-        self._accepted *= self.RECAL_DECAY
-        rows = np.broadcast_to(self._source_rows(sources, survival.shape[0])[:, None], a.shape)
-        cell = (rows * len(self.LEVELS) + self._levels(a))[verified]  # flat (source, level)
-        size = self._predicted.size
-        self._predicted += np.bincount(cell, a[verified], size).reshape(self._predicted.shape)
-        self._accepted += np.bincount(cell, hits[verified], size).reshape(self._accepted.shape)
+        a = np.ascontiguousarray(survival[:, :gamma].numpy(), dtype=np.float32)
+        policy_kernels.recal_observe(a, lengths.numpy().astype(np.int64, copy=False),
+                                     accepted.numpy().astype(np.int64, copy=False),
+                                     self._source_rows(sources, survival.shape[0]), self.LEVELS,
+                                     self._predicted, self._accepted, self.RECAL_DECAY)
 
     def recalibration(self) -> np.ndarray:
         """Factors [SOURCES, levels]: realised acceptance / predicted survival over past steps (1
@@ -162,25 +154,21 @@ class Policy:
         nearest learned level's factor: low levels are verified only when predicted to pay, so
         with factor 1 an underestimated low level would never be verified and never corrected);
         1 for the drafter's `calibrated_sources`."""
-        # +1: a weak prior at 1
-        ratio = np.divide(self._accepted + 1.0, self._predicted + 1.0, out=np.ones_like(self._predicted),
-                          where=self._predicted > 0)
-        learned = self._predicted >= self.RECAL_MIN
-        factors = np.where(learned, np.clip(ratio, 0.05, 4.0), 1.0)
-        # per source, every level takes the factor of the nearest learned level (the lower one
-        # on a tie; a source with none keeps 1)
-        distance = np.where(learned[:, None, :], self._LEVEL_DISTANCE[None], np.inf)
-        factors = np.take_along_axis(factors, distance.argmin(-1), axis=1)
+        # +1: a weak prior at 1; per source, every level takes the factor of the nearest learned
+        # level (the lower one on a tie; a source with none keeps 1)
+        calibrated = np.zeros(self.SOURCES, dtype=np.bool_)
         for c in self.calibrated_sources:
-            factors[min(c, self.SOURCES - 1)] = 1.0
-        return factors
+            calibrated[min(c, self.SOURCES - 1)] = True
+        return policy_kernels.recal_factors(self._predicted, self._accepted, self.RECAL_MIN, 0.05, 4.0,
+                                            calibrated)
 
     def recalibrated(self, survival: np.ndarray, sources: torch.Tensor | None = None) -> np.ndarray:
         """survival [R, γ] · its source's factor at its level (`recalibration`). From completed
         steps only, and a[r, j] · f(a[r, j]) still depends on d_{r,<j} (and the row's source,
         chosen from its context) alone, so ranking stays non-anticipating."""
-        rows = self._source_rows(sources, survival.shape[0])[:, None]
-        return survival * self.recalibration()[rows, self._levels(survival)].astype(survival.dtype)
+        return policy_kernels.recal_apply(np.ascontiguousarray(survival, dtype=np.float32),
+                                          self._source_rows(sources, survival.shape[0]), self.LEVELS,
+                                          self.recalibration())
 
     PROFILE_POINTS = 256  # the averaged survival curve, as quantiles of the per-step sorted values
     PROFILE_ALPHA = 0.25  # weight of the newest snapshot in that average
@@ -259,14 +247,10 @@ class Policy:
         if sps is None or not t_draft:
             return sps
         # a step of R requests verifies at most R·(γ + 1) tokens: nothing reads the rates past it
-        price = 1.0 / sps[:num_requests * (self.gamma + 1) + 1]
-        base = price[min(num_requests, len(price) - 1)]
-        knee = price.copy()  # the price at B capped at 2R
-        knee[2 * num_requests + 1:] = price[min(2 * num_requests, len(price) - 1)]
         a, b, c = self.draft_cost.verify_scale(num_requests)
-        forward = a * base + b * (knee - base) + c * (price - knee)
-        drafted_s = t_draft + self.draft_cost.overhead(num_requests, True) + forward
-        return 1.0 / np.maximum(drafted_s, MIN_STEP_S)
+        return policy_kernels.drafted_step_rates(sps, num_requests, self.gamma, a, b, c,
+                                                 t_draft + self.draft_cost.overhead(num_requests, True),
+                                                 MIN_STEP_S)
 
     def wants_draft(self, num_requests: int) -> bool:
         """Draft the coming step at all? Decided before drafting, from past steps only."""
@@ -475,14 +459,11 @@ class DSpark(Policy):
         room = min(self.max_batch_tokens - num_requests, num_requests * self.gamma)
         if room < 1:
             return True
-        n = num_requests * self.gamma
-        # the curve at the centres of R·γ equal quantiles (their left edges read one value early)
-        ranked = self._profile[(2 * np.arange(n) + 1) * self.PROFILE_POINTS // (2 * n)]
-        gains = np.cumsum(ranked[:room], dtype=np.float64)
         drafted = self.step_rate(num_requests)  # drafted steps/s by B, drafting and overheads counted
         assert drafted is not None  # the SPS table and t_draft are known here
-        rate = drafted[num_requests + 1:num_requests + room + 1]
-        predicted = float(np.max((num_requests + gains) * rate))
+        # the curve at the centres of R·γ equal quantiles (their left edges read one value early)
+        predicted = policy_kernels.best_speculative_rate(self._profile, num_requests, self.gamma, room,
+                                                         drafted)
         plain = self._plain_rate(num_requests)
         correction = self.draft_cost.speculative_correction(num_requests)
         corrected = predicted * (1.0 if correction is None else correction)

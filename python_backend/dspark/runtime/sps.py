@@ -198,6 +198,26 @@ def _linear(x, xs: np.ndarray, ys: np.ndarray):
     return np.where(np.asarray(x) > xs[-1], ys[-1] + slope * (np.asarray(x) - xs[-1]), y)
 
 
+def solve3(m: list[list[float]], y: list[float]) -> list[float]:
+    """x with m x = y for a 3x3 m (Gaussian elimination with partial pivoting, in Python floats;
+    a singular m gives x = 0 where it cannot tell)."""
+    rows = [list(m[i]) + [y[i]] for i in range(3)]
+    for col in range(3):
+        pivot = max(range(col, 3), key=lambda r: abs(rows[r][col]))
+        rows[col], rows[pivot] = rows[pivot], rows[col]
+        if rows[col][col] == 0.0:
+            continue
+        for r in range(col + 1, 3):
+            f = rows[r][col] / rows[col][col]
+            for k in range(col, 4):
+                rows[r][k] -= f * rows[col][k]
+    x = [0.0, 0.0, 0.0]
+    for i in (2, 1, 0):
+        if rows[i][i] != 0.0:
+            x[i] = (rows[i][3] - sum(rows[i][k] * x[k] for k in range(i + 1, 3))) / rows[i][i]
+    return x
+
+
 class _ByRequests:
     """Seconds by request count R: a moving average per measured R, robust to one-off spikes;
     unmeasured R interpolate linearly between the nearest measured ones; beyond them constant, or
@@ -356,18 +376,21 @@ class DraftCost:
         self._average(cell, *(u * v for u in x for v in x), *(u * seconds for u in x),
                       alpha=self.VERIFY_ALPHA)
         if cell[0] >= self.VERIFY_MIN_STEPS and cell[1] > 0:
-            gram, xy = np.array(cell[1:10]).reshape(3, 3), np.array(cell[10:13])
+            # in Python floats: numpy's solve of a 3x3 system, run cold after the target's forward,
+            # cost more than the rest of the step's bookkeeping (`dspark.runtime.policy_kernels`)
+            gram, xy = [cell[1:4], cell[4:7], cell[7:10]], cell[10:13]
             # ridge: pulls a towards b and b towards c, so scales the steps do not tell apart are
             # read equal (a busier machine than the profile's as a whole, or no step beyond R
             # rows); each pull in proportion to the two rows' own weight, so that the rare steps
             # beyond R rows (the ranked probes among uniform steps) still set c
-            ridge = np.zeros((3, 3))
             for i in (0, 1):  # (+ a trace of the anchors' weight: steps without draft rows)
-                w = self.VERIFY_RIDGE * (gram[i, i] + gram[i + 1, i + 1]) + 1e-6 * gram[0, 0]
-                ridge[i:i + 2, i:i + 2] += w * np.array([[1.0, -1.0], [-1.0, 1.0]])
+                w = self.VERIFY_RIDGE * (cell[1 + 4 * i] + cell[5 + 4 * i]) + 1e-6 * cell[1]
+                gram[i][i] += w
+                gram[i + 1][i + 1] += w
+                gram[i][i + 1] -= w
+                gram[i + 1][i] -= w
             lo, hi = self.VERIFY_SCALE_RANGE
-            a, b, c3 = np.clip(np.linalg.solve(gram + ridge, xy), lo, hi)
-            self._scales[c] = (float(a), float(b), float(c3))
+            self._scales[c] = tuple(min(max(x, lo), hi) for x in solve3(gram, xy))  # type: ignore[assignment]
 
     def verify_scale(self, num_requests: int) -> tuple[float, float, float]:
         """(anchor-row, first-R-draft-row, further-draft-row) scales for R's class (R.bit_length():

@@ -198,6 +198,11 @@ class DSparkDrafter(SlotDrafter):
 
     MAX_PENDING = 8  # extends held for the next propose (their taps stay alive until then)
 
+    def flush(self) -> None:
+        """Run the pending extends now, not in the next propose (the engine times a catch-up of
+        deferred rows apart from the propose after it)."""
+        self._flush()
+
     @torch.inference_mode()
     def _flush(self) -> None:
         """Run the pending extends on their own."""

@@ -58,6 +58,12 @@ class HybridDrafter:
         self.ngram.extend(slots, tokens, taps, cu_seqlens, keep)
         self.neural.extend(slots, tokens, taps, cu_seqlens, keep)
 
+    def flush(self) -> None:
+        """The trained drafter's pending context work, now (`DSparkDrafter.flush`)."""
+        flush = getattr(self.neural, "flush", None)
+        if flush is not None:
+            flush()
+
     def _lookup_logits(self, k: int) -> torch.Tensor:
         """[γ] logits z with σ(z / T_j + b_j) = the n-gram drafter's ĉ_kj for a k-token match."""
         return self._temps * (self.ngram.confidence_logits(k) - self._shifts)
