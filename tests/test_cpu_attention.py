@@ -118,3 +118,30 @@ def test_enabled_only_for_bf16_where_our_matmul_kernel_serves(monkeypatch):
     assert not cpu_attention.enabled(torch.device("meta"), torch.bfloat16, 9, 3, 64)
     monkeypatch.setattr("dspark.runtime.linear.serving_cpu_gemm", lambda dtype: "onednn")
     assert not cpu_attention.enabled(cpu, torch.bfloat16, 9, 3, 64)
+
+
+@needs_kernel
+@pytest.mark.parametrize("hd, heads, kv", [(64, 9, 3), (128, 4, 2), (32, 2, 2)])
+def test_rope_and_cache_writes_equal_torchs(hd, heads, kv):
+    """`rope_write_kv` (RoPE on q and k, k and v into the caches, one call) is bit-identical to the
+    model's torch path: `apply_rope_swapped` on the fused projection's heads, then indexed writes;
+    a row it does not write is untouched. A head size it does not take returns None."""
+    from dspark.runtime.model import apply_rope_swapped
+
+    g = torch.Generator().manual_seed(hd)
+    n, cap, max_len = 7, 3, 50
+    qkv = (torch.randn(n, (heads + 2 * kv) * hd, generator=g) * 4).bfloat16()
+    cos, sin = torch.randn(n, hd, generator=g).bfloat16(), torch.randn(n, hd, generator=g).bfloat16()
+    slots, positions = torch.tensor([0, 0, 2, 1, 1, 1, 2]), torch.tensor([3, 4, 40, 0, 1, 2, 41])
+    k0, v0 = (torch.randn(cap, kv, max_len, hd, generator=g).bfloat16() for _ in range(2))
+    k_got, v_got, k_want, v_want = k0.clone(), v0.clone(), k0.clone(), v0.clone()
+    q = cpu_attention.rope_write_kv(qkv, cos, sin, k_got, v_got, slots, positions, heads)
+    heads_all = qkv.view(n, heads + 2 * kv, hd)
+    qk = apply_rope_swapped(heads_all[:, :heads + kv], cos, sin)
+    k_want[slots, :, positions] = qk[:, heads:]
+    v_want[slots, :, positions] = heads_all[:, heads + kv:]
+    assert torch.equal(q, qk[:, :heads]) and torch.equal(k_got, k_want) and torch.equal(v_got, v_want)
+    odd = torch.zeros(1, 1, 4, 48, dtype=torch.bfloat16)  # hd 48: not a multiple of 32
+    zero, row = torch.zeros(1, dtype=torch.int64), torch.zeros(1, 48).bfloat16()
+    qkv48 = torch.zeros(1, 3 * 48, dtype=torch.bfloat16)
+    assert cpu_attention.rope_write_kv(qkv48, row, row, odd, odd.clone(), zero, zero, 1) is None

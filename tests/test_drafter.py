@@ -584,3 +584,22 @@ def test_draft_vocab_tool_counts_responses_only(tmp_path, target):
     (tmp_path / "drafters" / "x").mkdir()
     assert read_draft_vocab(tmp_path / "drafters" / "x").tolist() == [0, 4, 9]
     assert read_draft_vocab(tmp_path / "nowhere") is None
+
+
+def test_ngram_incremental_index_equals_the_scan():
+    """The n-gram drafter's per-slot k-gram index (`_match_context`) proposes what `match` finds
+    scanning the whole sequence, as the context grows step by step, for every n / min_n, on
+    sequences with many repeats (small vocabulary) and after a slot restarts."""
+    gen = torch.Generator().manual_seed(11)
+    for n, min_n, vocab in ((3, 1, 4), (4, 2, 6), (2, 2, 3), (1, 1, 5)):
+        d = NGramDrafter(gamma=5, n=n, min_n=min_n, learn=False)
+        for _ in range(2):  # the slot restarts: a new context, a new index
+            size = int(torch.randint(1, 6, (1,), generator=gen))
+            prompt = torch.randint(vocab, (size,), generator=gen).tolist()
+            d.start(0, prompt, torch.zeros(len(prompt), 1))
+            for _ in range(40):
+                anchor = int(torch.randint(vocab, (1,), generator=gen))
+                assert d._match_context(0, d.contexts[0], anchor) == d.match(d.contexts[0] + [anchor])
+                grow = torch.randint(vocab, (int(torch.randint(1, 4, (1,), generator=gen)),), generator=gen)
+                d.extend([0], grow, torch.zeros(len(grow), 1), torch.tensor([0, len(grow)]),
+                         torch.tensor([len(grow)]))

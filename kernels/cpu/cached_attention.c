@@ -23,6 +23,7 @@
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
+#include <string.h>
 
 #define MAX_HD 256
 #define MAX_G 16 /* query heads per kv head */
@@ -177,4 +178,52 @@ int cached_attention_bf16(const uint16_t *q, int64_t q_stride, const uint16_t *k
         free(s);
     }
     return failed ? -2 : 0;
+}
+
+/* fp32 of 16 bf16 */
+static inline __m512 widen16(const uint16_t *p) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
+}
+
+/* 16 fp32 -> bf16 rounded to nearest even (finite values), as 16 bits each */
+static inline __m256i narrow16(__m512 x) {
+    return _mm512_cvtepi32_epi16(round_bf16(x));
+}
+
+/* bf16 product of two bf16 vectors (exact in fp32, then rounded), widened back */
+static inline __m512 mul_rounded(__m512 a, __m512 b) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(round_bf16(_mm512_mul_ps(a, b)), 16));
+}
+
+/* RoPE on the new tokens' q and k, k and v written into the cache: what a decode or a verify does
+ * before `cached_attention_bf16`, in one call (torch: roll, two products, a sum and two indexed
+ * writes per layer). Rotate-half form with the sign folded into the table (`apply_rope_swapped`):
+ *     y_j = bf16(bf16(x_j · cos_j) + bf16(x_{(j + hd/2) mod hd} · sin_signed_j))
+ * with torch's bf16 roundings, so bit-identical to it.
+ * Layouts (element strides; bf16 except the int64 indices):
+ *   qkv       [N, H + 2·Hkv, hd]   row stride qkv_stride, heads contiguous (q heads, k heads, v heads)
+ *   cos, sin  [N, hd]              contiguous (the tables' rows at each token's position)
+ *   q_out     [N, H, hd]           contiguous
+ *   k, v      [C, Hkv, S, hd]      contiguous: row positions[i] of slot tok_slot[i] written
+ * hd a multiple of 32. */
+void rope_write_kv_bf16(const uint16_t *qkv, int64_t qkv_stride, const uint16_t *cos, const uint16_t *sin,
+                        uint16_t *q_out, uint16_t *k, uint16_t *v, const int64_t *tok_slot, const int64_t *positions,
+                        int64_t n, int64_t h, int64_t hkv, int64_t s_max, int64_t hd) {
+    int64_t half = hd / 2;
+    for (int64_t i = 0; i < n; i++) {
+        const uint16_t *row = qkv + i * qkv_stride, *ci = cos + i * hd, *si = sin + i * hd;
+        int64_t cache_row = tok_slot[i] * hkv * s_max + positions[i];
+        for (int64_t head = 0; head < h + hkv; head++) {
+            const uint16_t *x = row + head * hd;
+            uint16_t *dst = head < h ? q_out + (i * h + head) * hd : k + (cache_row + (head - h) * s_max) * hd;
+            for (int64_t c = 0; c < hd; c += 16) {
+                int64_t r = c + half < hd ? c + half : c + half - hd;
+                __m512 y = _mm512_add_ps(mul_rounded(widen16(x + c), widen16(ci + c)),
+                                         mul_rounded(widen16(x + r), widen16(si + c)));
+                _mm256_storeu_si256((__m256i *)(dst + c), narrow16(y));
+            }
+        }
+        for (int64_t kvh = 0; kvh < hkv; kvh++)
+            memcpy(v + (cache_row + kvh * s_max) * hd, row + (h + hkv + kvh) * hd, sizeof(uint16_t) * hd);
+    }
 }

@@ -30,8 +30,10 @@ def library() -> ctypes.CDLL | None:
     ptr, i64 = cpu_gemm.PTR, cpu_gemm.I64
     # (q, q_stride, k, v, tok_slot, positions, out, n, h, hkv, s_max, hd, scale, threads) -> status
     args = [ptr, i64, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, ctypes.c_float, cpu_gemm.INT]
+    # (qkv, qkv_stride, cos, sin, q_out, k, v, tok_slot, positions, n, h, hkv, s_max, hd)
+    rope = [ptr, i64, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64]
     return cpu_gemm.load(SOURCE, FLAGS, {"avx512f", "avx512bw", "avx512vl", "avx512_bf16"},
-                         {"cached_attention_bf16": (args, ctypes.c_int)})
+                         {"cached_attention_bf16": (args, ctypes.c_int), "rope_write_kv_bf16": (rope, None)})
 
 
 def enabled(device: torch.device, dtype: torch.dtype, heads: int, kv_heads: int, head_dim: int) -> bool:
@@ -72,3 +74,30 @@ def cached_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
             raise ValueError(f"cached_attention: unsupported shape q {tuple(q.shape)}, "
                              f"cache {tuple(k_cache.shape)}")
     return out
+
+
+def rope_write_kv(qkv: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor, k_cache: torch.Tensor,
+                  v_cache: torch.Tensor, tok_slot: torch.Tensor, positions: torch.Tensor,
+                  heads: int) -> torch.Tensor | None:
+    """The step before `cached_attention`, in one call: qkv [N, (H + 2·Hkv)·hd] bf16 (a fused
+    projection's output: q, k, v heads), cos / sin_signed [N, hd] (`Transformer.rope_tables` rows
+    at each token's position) -> q [N, H, hd] rotated; k rotated and v written into row
+    positions[i] of slot tok_slot[i] of the caches. Bit-identical to `apply_rope_swapped` and
+    torch's indexed writes. None (nothing done) where the kernel does not take these: then the
+    caller runs torch's ops."""
+    lib = library()
+    hkv, s_max, hd = k_cache.shape[1], k_cache.shape[2], k_cache.shape[3]
+    n = qkv.shape[0]
+    if (lib is None or hd % 32 or qkv.dtype != torch.bfloat16 or cos.dtype != torch.bfloat16
+            or k_cache.dtype != torch.bfloat16 or qkv.dim() != 2 or qkv.shape[1] != (heads + 2 * hkv) * hd
+            or qkv.stride(1) != 1 or not (cos.is_contiguous() and sin_signed.is_contiguous()
+                                          and k_cache.is_contiguous() and v_cache.is_contiguous())
+            or tuple(cos.shape) != (n, hd) or tuple(sin_signed.shape) != (n, hd) or qkv.device.type != "cpu"):
+        return None
+    q = torch.empty(n, heads, hd, dtype=qkv.dtype)
+    if n:
+        tok_slot, positions = tok_slot.contiguous(), positions.contiguous()
+        lib.rope_write_kv_bf16(qkv.data_ptr(), qkv.stride(0), cos.data_ptr(), sin_signed.data_ptr(),
+                               q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), tok_slot.data_ptr(),
+                               positions.data_ptr(), n, heads, hkv, s_max, hd)
+    return q

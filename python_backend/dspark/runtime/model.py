@@ -16,8 +16,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from dspark.runtime import cpu_attention
 from dspark.runtime.attention import AttnMeta, attention_backend
 from dspark.runtime.config import ModelConfig, rope_inv_freq
+from dspark.runtime.cpu_norm import add_rms_norm
 from dspark.runtime.linear import Projection, serving_linear
 
 
@@ -114,8 +116,12 @@ class Attention(nn.Module):
     def qkv_heads(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Fused layout: x [..., D] -> (q and k together [..., H + Hkv, hd] normed, v [..., Hkv, hd])."""
         assert self.qkv is not None, "fused layout only: call fuse() first"
+        return self._heads(self.qkv(x))
+
+    def _heads(self, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """`qkv_heads` of the fused projection's output qkv [..., (H + 2·Hkv)·hd]."""
         h, hd = self.n_heads + self.n_kv, self.head_dim
-        qkv = self.qkv(x).view(*x.shape[:-1], h + self.n_kv, hd)
+        qkv = qkv.view(*qkv.shape[:-1], h + self.n_kv, hd)
         qk, v = qkv[..., :h, :], qkv[..., h:, :]
         if self.qk_norm_weight is not None:
             qk = F.rms_norm(qk, (hd,), eps=self.eps) * self.qk_norm_weight
@@ -148,11 +154,17 @@ class Attention(nn.Module):
     def forward_ragged(self, x, cos, sin_signed, k_cache, v_cache, meta: AttnMeta):
         """Fused layout only (after `fuse`); cos / sin_signed from `Transformer.rope_tables`."""
         assert self.out is not None, "fused layout only: call fuse() first"
-        qk, v = self.qkv_heads(x)
-        qk = apply_rope_swapped(qk, cos, sin_signed)
-        q, k = qk[:, :self.n_heads], qk[:, self.n_heads:]
-        k_cache[meta.tok_slot, :, meta.positions] = k  # write this step's keys before reading
-        v_cache[meta.tok_slot, :, meta.positions] = v
+        assert self.qkv is not None  # set with `out`
+        qkv, q = self.qkv(x), None
+        if meta.cpu_kernel and self.qk_norm_weight is None:  # bf16 CPU decode / verify: one C call
+            q = cpu_attention.rope_write_kv(qkv, cos, sin_signed, k_cache, v_cache, meta.tok_slot,
+                                            meta.positions, self.n_heads)
+        if q is None:
+            qk, v = self._heads(qkv)
+            qk = apply_rope_swapped(qk, cos, sin_signed)
+            q, k = qk[:, :self.n_heads], qk[:, self.n_heads:]
+            k_cache[meta.tok_slot, :, meta.positions] = k  # write this step's keys before reading
+            v_cache[meta.tok_slot, :, meta.positions] = v
         out = attention_backend(q, k_cache, v_cache, meta, self.scale)
         return self.out(out.reshape(x.shape[0], -1))
 
@@ -314,12 +326,18 @@ class Transformer(nn.Module):
         cos = cos_table.index_select(0, meta.positions)
         sin = sin_table.index_select(0, meta.positions)
         taps: dict[int, torch.Tensor] = {}  # layer id -> its output (tap_layers checked in __init__)
-        for i, layer in enumerate(self.blocks):
+        blocks = self.blocks
+        # each residual add with the norm after it: one call of our kernel on bf16 CPU rows
+        x, h = add_rms_norm(x, None, blocks[0].input_layernorm.weight, blocks[0].input_layernorm.eps)
+        for i, layer in enumerate(blocks):
             attn = layer.self_attn
-            x = x + attn.forward_ragged(layer.input_layernorm(x), cos, sin, k_caches[i], v_caches[i], meta)
-            x = x + layer.mlp(layer.post_attention_layernorm(x))
+            a = attn.forward_ragged(h, cos, sin, k_caches[i], v_caches[i], meta)
+            norm = layer.post_attention_layernorm
+            x, h = add_rms_norm(x, a, norm.weight, norm.eps)
+            after = blocks[i + 1].input_layernorm if i + 1 < len(blocks) else self.norm
+            x, h = add_rms_norm(x, layer.mlp(h), after.weight, after.eps)
             if i in self.tap_layers:
                 taps[i] = x
-        hidden = self.norm(x)
+        hidden = h
         logits = self.lm_head(hidden if logits_rows is None else hidden[logits_rows])
         return logits, torch.cat([taps[t] for t in self.tap_layers], dim=-1), hidden

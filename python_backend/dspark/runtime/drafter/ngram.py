@@ -41,6 +41,9 @@ class NGramDrafter:
         self.miss_logit, self.hit_logit, self.hit_logit_per_token = miss_logit, hit_logit, hit_logit_per_token
         self.learn, self.prior_weight, self.decay = learn, prior_weight, decay
         self.contexts: dict[int, list[int]] = {}  # slot -> prompt + accepted tokens
+        # slot -> (its context list, positions indexed, per k = 1..n: k-gram -> end position of
+        # its latest occurrence): `match` on a context incrementally (`_match_context`)
+        self._index: dict[int, tuple[list[int], int, list[dict[tuple[int, ...], int]]]] = {}
         # slot -> {anchor position q: (proposed tokens, k)}: blocks awaiting their γ successors
         self.pending: dict[int, dict[int, tuple[list[int], int]]] = {}
         # [k, j, 0]: decayed count of k-match lookups alive at draft position j; [k, j, 1]: surviving it
@@ -55,6 +58,7 @@ class NGramDrafter:
             self._score(slot, final=True)  # blocks near the end: what is known of their successors
         self.contexts.pop(slot, None)
         self.pending.pop(slot, None)
+        self._index.pop(slot, None)
 
     def extend(self, slots: list[int], tokens: torch.Tensor, taps: torch.Tensor, cu_seqlens: torch.Tensor,
                keep: torch.Tensor) -> None:
@@ -99,7 +103,7 @@ class NGramDrafter:
         rows = []
         for s, a in zip(slots, anchors, strict=True):
             ctx = self.contexts[s]
-            row = self.match(ctx + [a])
+            row = self._match_context(s, ctx, a)
             if self.learn:
                 self.pending[s][len(ctx)] = row  # the anchor's position once it joins the context
             rows.append(row)
@@ -121,6 +125,28 @@ class NGramDrafter:
         """-> (γ proposed tokens, the static prior's confidence logit): `match`."""
         tokens, k = self.match(seq)
         return tokens, self.prior_logit(k)
+
+    def _match_context(self, slot: int, ctx: list[int], anchor: int) -> tuple[list[int], int]:
+        """`match(ctx + [anchor])` from the slot's index of its context's k-grams, brought up to
+        date first (a context only grows; a new list starts a new index): O(n) dict lookups a step
+        instead of a scan of the whole context per k."""
+        entry = self._index.get(slot)
+        if entry is None or entry[0] is not ctx or entry[1] > len(ctx):
+            entry = (ctx, 0, [{} for _ in range(self.n + 1)])
+        _, done, grams = entry
+        for end in range(done, len(ctx)):  # later occurrences overwrite: the latest wins
+            for k in range(1, min(self.n, end + 1) + 1):
+                grams[k][tuple(ctx[end - k + 1:end + 1])] = end
+        self._index[slot] = (ctx, len(ctx), grams)
+        size = len(ctx) + 1  # seq = ctx + [anchor]; an occurrence inside ctx has a successor
+        for k in range(min(self.n, size - 1), self.min_n - 1, -1):
+            last = grams[k].get(tuple(ctx[len(ctx) - k + 1:]) + (anchor,))  # the last k of seq
+            if last is not None:
+                i = last - k + 1
+                period = size - i - k
+                at = [i + k + (j % period) for j in range(self.gamma)]
+                return [ctx[t] if t < len(ctx) else anchor for t in at], k
+        return [anchor] * self.gamma, 0
 
     def match(self, seq: list[int]) -> tuple[list[int], int]:
         """-> (γ proposed tokens, matched suffix length k; 0 = no match, the tokens repeat the last

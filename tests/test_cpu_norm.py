@@ -1,0 +1,71 @@
+"""Our bf16 CPU residual add + RMSNorm (kernels/cpu/rms_norm.c via dspark.runtime.cpu_norm) against
+torch's add and `F.rms_norm`: the sum bit-identical, the norm within one bf16 step of torch's (it
+sums the squares in another order) and bit-identical on most values, a row's result the same alone
+and in any batch, SmolLM2's massive activations, and the layouts and dtypes that take torch's path
+(the target's forward calls it: tests/test_target.py compares that forward with transformers)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dspark.runtime import cpu_norm
+
+needs_kernel = pytest.mark.skipif(cpu_norm.library() is None,
+                                  reason="no C compiler or no AVX512 on this machine")
+
+
+def ulps(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """Distance in bf16 steps between same-signed bf16 values."""
+    return (a.view(torch.int16).int() - b.view(torch.int16).int()).abs()
+
+
+@needs_kernel
+@pytest.mark.parametrize("d", [16, 17, 64, 576, 1000])
+def test_matches_torch_add_and_rms_norm(d):
+    g = torch.Generator().manual_seed(d)
+    x = (torch.randn(37, d, generator=g) * 3).bfloat16()
+    x[0, 0] = 400.0  # a massive activation (SmolLM2's residual stream has them)
+    delta = torch.randn(37, d, generator=g).bfloat16()
+    weight = (torch.rand(d, generator=g) + 0.5).bfloat16()
+    before = x.clone()
+    for dl in (delta, None):
+        got_x, got = cpu_norm.add_rms_norm(x, dl, weight, 1e-5)
+        want_x, want = cpu_norm.add_rms_norm_reference(x, dl, weight, 1e-5)
+        assert torch.equal(got_x, want_x)  # the residual add rounds exactly as torch's
+        assert ulps(got, want).max() <= 1 and (got != want).float().mean() < 1e-3
+    assert torch.equal(x, before)  # the inputs are left as they are
+
+
+@needs_kernel
+def test_a_row_is_the_same_alone_and_in_a_batch():
+    g = torch.Generator().manual_seed(0)
+    x, delta = torch.randn(9, 576, generator=g).bfloat16(), torch.randn(9, 576, generator=g).bfloat16()
+    weight = torch.rand(576, generator=g).bfloat16()
+    _, batch = cpu_norm.add_rms_norm(x, delta, weight, 1e-5)
+    for i in range(9):
+        _, alone = cpu_norm.add_rms_norm(x[i:i + 1].clone(), delta[i:i + 1].clone(), weight, 1e-5)
+        assert torch.equal(alone[0], batch[i])
+
+
+@needs_kernel
+def test_strided_rows_and_empty_batch():
+    g = torch.Generator().manual_seed(1)
+    wide = torch.randn(5, 1152, generator=g).bfloat16()
+    x, weight = wide[:, :576], torch.rand(576, generator=g).bfloat16()  # row stride 1152
+    assert cpu_norm.enabled(x, weight)
+    got_x, got = cpu_norm.add_rms_norm(x, None, weight, 1e-6)
+    want = cpu_norm.add_rms_norm_reference(x.contiguous(), None, weight, 1e-6)[1]
+    assert got_x is x and ulps(got, want).max() <= 1
+    empty = torch.empty(0, 576, dtype=torch.bfloat16)
+    assert cpu_norm.add_rms_norm(empty, empty, weight, 1e-6)[1].shape == (0, 576)
+
+
+def test_other_dtypes_take_torchs_path():
+    g = torch.Generator().manual_seed(2)
+    x, delta = torch.randn(4, 32, generator=g), torch.randn(4, 32, generator=g)
+    weight = torch.rand(32, generator=g)
+    assert not cpu_norm.enabled(x, weight)
+    got_x, got = cpu_norm.add_rms_norm(x, delta, weight, 1e-5)
+    want_x, want = cpu_norm.add_rms_norm_reference(x, delta, weight, 1e-5)
+    assert torch.equal(got_x, want_x) and torch.equal(got, want)
