@@ -69,3 +69,23 @@ def test_other_dtypes_take_torchs_path():
     got_x, got = cpu_norm.add_rms_norm(x, delta, weight, 1e-5)
     want_x, want = cpu_norm.add_rms_norm_reference(x, delta, weight, 1e-5)
     assert torch.equal(got_x, want_x) and torch.equal(got, want)
+
+
+@needs_kernel
+def test_bench_glue_times_both_ways_and_restores_the_switch(tiny_ckpt, tmp_path):
+    """`dspark bench-glue` on the tiny checkpoint in bf16: verify times and plain tokens/s for
+    torch's ops and the kernels, round by round, and the switch (`cpu_norm.USE`) as it was after."""
+    import json
+
+    from dspark.cli import main
+
+    out = tmp_path / "glue.json"
+    before = cpu_norm.USE
+    assert main(["bench-glue", "--model", str(tiny_ckpt), "--rounds", "2", "--repeats", "2",
+                 "--tokens", "1,3", "--context", "8", "--max-tokens", "4", "--prompts-per-round", "1",
+                 "--num-threads", "1", "--out", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert set(result["verify_ms"]) == {"torch", "kernels"}
+    assert set(result["verify_ms"]["torch"]) == {"1", "3"}
+    assert all(len(v) == 2 and min(v) > 0 for v in result["plain_tokens_per_s"].values())
+    assert result["plain_speedup"] > 0 and cpu_norm.USE == before

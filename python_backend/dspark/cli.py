@@ -19,6 +19,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "bench-rule": ("dspark.bench.rule_trace", "the drafting-cost rule step by step in one closed-loop cell"),
     "bench-min-rows": ("dspark.bench.min_rows", "bf16 matmuls padded to a few rows: verify, decode"),
     "bench-cpu-gemm": ("dspark.bench.cpu_gemm", "our CPU matmul kernels vs oneDNN (fp32, --dtype bf16)"),
+    "bench-glue": ("dspark.bench.glue", "the target forward's glue kernels (norms, RoPE) vs torch's ops"),
     "bench-triton": ("dspark.bench.triton_overhead", "serving through Triton vs the same engine in process"),
     "profile-sps": ("dspark.bench.sps", "profile target steps/second vs token batch size"),
     "simulate": ("dspark.tools.simulate", "serving simulator over scheduler policies"),

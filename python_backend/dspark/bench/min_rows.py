@@ -47,6 +47,48 @@ def verify_ms(target, tokens: int, context: int, repeats: int) -> float:
         target.release(slot)
 
 
+def bf16_plain_setup(args: argparse.Namespace, command: str, what: str):
+    """The model's target in bf16 on the CPU (else exit naming `command` and `what` it times), a
+    plain engine on it and `args.rounds` × `args.prompts_per_round` held-out prompts ->
+    (spec, target, engine, prompts, their source)."""
+    from dspark.bench.e2e import load_prompts
+
+    spec = replace(wiring.from_args(args), drafter="none", policy="plain")
+    target = wiring.load_target(spec, activations=wiring.DTYPES.get(spec.dtype))  # bf16 activations too
+    if target.dtype != torch.bfloat16 or target.device.type != "cpu":
+        raise SystemExit(f"{command} times {what}; the target is {target.dtype} "
+                         f"on {target.device} (pass --dtype bf16 --device cpu)")
+    tok = load_tokenizer(wiring.model_folder(spec.model))
+    prompts, source = load_prompts(spec.model_key, ["code", "math", "chat"],
+                                   args.rounds * args.prompts_per_round, tok)
+    return spec, target, wiring.build_engine(spec, target=target, drafter=None), prompts, source
+
+
+def time_candidates(target, engine, prompts: list[list[int]], candidates: list, use, sizes: list[int],
+                    args: argparse.Namespace, desc: str) -> tuple[dict, dict]:
+    """Candidates interleaved over `args.rounds` rounds, each round on its own
+    `args.prompts_per_round` prompts and starting one candidate later than the round before
+    (drift over a round hits every candidate alike): `use(candidate)` switches to it, then one
+    verify per size of `sizes` (`verify_ms`, after `args.context` cached tokens, `args.repeats`
+    times) and plain decoding of the round's prompts (`engine`, up to `args.max_tokens` each).
+    -> ({candidate: {B: [ms per round]}}, {candidate: [tokens/s per round]})."""
+    greedy = SamplingParams()
+    engine.generate(prompts[:1], 8, greedy)  # warm-up
+    verify: dict = {c: {b: [] for b in sizes} for c in candidates}
+    decode: dict = {c: [] for c in candidates}
+    for rnd in tqdm(range(args.rounds), desc=desc, unit="round"):
+        mine = prompts[rnd * args.prompts_per_round:(rnd + 1) * args.prompts_per_round]
+        for c in candidates[rnd % len(candidates):] + candidates[:rnd % len(candidates)]:
+            use(c)
+            for b in sizes:
+                verify[c][b].append(verify_ms(target, b, args.context, args.repeats))
+            t0, n = time.perf_counter(), 0
+            for p in mine:
+                n += len(engine.generate([p], args.max_tokens, greedy)[0])
+            decode[c].append(n / (time.perf_counter() - t0))
+    return verify, decode
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     wiring.add_arguments(p, capacity=1, max_seq_len=1024, dtype="bf16")
     p.add_argument("--rows", default="1,2,3,4,5", help="candidate minimum row counts")
@@ -60,36 +102,19 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    from dspark.bench.e2e import load_prompts
-
-    spec = replace(wiring.from_args(args), drafter="none", policy="plain")
-    target = wiring.load_target(spec, activations=wiring.DTYPES.get(spec.dtype))  # bf16 activations too
-    if target.dtype != torch.bfloat16 or target.device.type != "cpu":
-        raise SystemExit(f"bench-min-rows times bf16 matmuls on the CPU; the target is {target.dtype} "
-                         f"on {target.device} (pass --dtype bf16 --device cpu)")
     rows = [int(r) for r in args.rows.split(",")]
     sizes = [int(b) for b in args.tokens.split(",")]
     if min(rows) < 1 or min(sizes) < 1:
         raise SystemExit("--rows and --tokens take positive integers")
-    tok = load_tokenizer(wiring.model_folder(spec.model))
-    prompts, source = load_prompts(spec.model_key, ["code", "math", "chat"],
-                                   args.rounds * args.prompts_per_round, tok)
-    engine = wiring.build_engine(spec, target=target, drafter=None)
-    greedy, default = SamplingParams(), linear.BF16_MIN_ROWS
-    engine.generate(prompts[:1], 8, greedy)  # warm-up
-    verify: dict[int, dict[int, list[float]]] = {r: {b: [] for b in sizes} for r in rows}
-    decode: dict[int, list[float]] = {r: [] for r in rows}
+    spec, target, engine, prompts, source = bf16_plain_setup(args, "bench-min-rows",
+                                                             "bf16 matmuls on the CPU")
+    default = linear.BF16_MIN_ROWS
+
+    def use(r: int) -> None:
+        linear.BF16_MIN_ROWS = r
+
     try:
-        for rnd in tqdm(range(args.rounds), desc="bench-min-rows", unit="round"):
-            mine = prompts[rnd * args.prompts_per_round:(rnd + 1) * args.prompts_per_round]
-            for r in rows[rnd % len(rows):] + rows[:rnd % len(rows)]:  # each round starts one later
-                linear.BF16_MIN_ROWS = r
-                for b in sizes:
-                    verify[r][b].append(verify_ms(target, b, args.context, args.repeats))
-                t0, n = time.perf_counter(), 0
-                for p in mine:
-                    n += len(engine.generate([p], args.max_tokens, greedy)[0])
-                decode[r].append(n / (time.perf_counter() - t0))
+        verify, decode = time_candidates(target, engine, prompts, rows, use, sizes, args, "bench-min-rows")
     finally:
         linear.BF16_MIN_ROWS = default
     base = rows[0]

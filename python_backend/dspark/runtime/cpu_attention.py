@@ -17,7 +17,7 @@ from functools import lru_cache
 import torch
 
 from dspark import paths
-from dspark.runtime import cpu_gemm
+from dspark.runtime import cpu_gemm, cpu_norm
 
 SOURCE = paths.REPO_ROOT / "kernels" / "cpu" / "cached_attention.c"
 FLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-fopenmp", "-shared", "-fPIC"]
@@ -85,7 +85,7 @@ def rope_write_kv(qkv: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor
     positions[i] of slot tok_slot[i] of the caches. Bit-identical to `apply_rope_swapped` and
     torch's indexed writes. None (nothing done) where the kernel does not take these: then the
     caller runs torch's ops."""
-    lib = library()
+    lib = library() if cpu_norm.USE else None  # the glue kernels' switch (DSPARK_CPU_GLUE)
     hkv, s_max, hd = k_cache.shape[1], k_cache.shape[2], k_cache.shape[3]
     n = qkv.shape[0]
     if (lib is None or hd % 32 or qkv.dtype != torch.bfloat16 or cos.dtype != torch.bfloat16

@@ -8,6 +8,7 @@ between the target's matmuls, 61 norms a SmolLM2 forward: ~1.4 ms of a ~12 ms de
 from __future__ import annotations
 
 import ctypes
+import os
 from functools import lru_cache
 
 import torch
@@ -18,6 +19,9 @@ from dspark.runtime import cpu_gemm
 
 SOURCE = paths.REPO_ROOT / "kernels" / "cpu" / "rms_norm.c"
 FLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-shared", "-fPIC"]
+# the target forward's glue kernels (this one and `cpu_attention.rope_write_kv`) run unless
+# DSPARK_CPU_GLUE=torch; `dspark bench-glue` switches both to time them against torch's ops
+USE = os.environ.get("DSPARK_CPU_GLUE", "kernels") != "torch"
 
 
 @lru_cache(maxsize=1)
@@ -32,8 +36,8 @@ def library() -> ctypes.CDLL | None:
 
 def enabled(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether `add_rms_norm` runs the C kernel for these (bf16 CPU rows and weight, unit column
-    stride, kernel built)."""
-    return (x.dtype == weight.dtype == torch.bfloat16 and x.device.type == "cpu" and x.dim() == 2
+    stride, kernel built, not switched off: `USE`)."""
+    return (USE and x.dtype == weight.dtype == torch.bfloat16 and x.device.type == "cpu" and x.dim() == 2
             and x.stride(1) == 1 and weight.is_contiguous() and library() is not None)
 
 
