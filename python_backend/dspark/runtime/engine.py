@@ -286,7 +286,8 @@ class SpecEngine:
             # 1 / (k + 1), what it costs a step once drafting goes on (charged whole, at 16
             # requests a uniform step read 0.86x plain decoding in the rule's paired readings
             # while MTP-1 ran 1.02x plain end to end)
-            charge_next = next_s - catch_up_s * caught_up / (caught_up + 1)
+            if nxt is not None:
+                charge_next = next_s - catch_up_s * caught_up / (caught_up + 1)
         clock["draft"] += time.perf_counter() - t
 
         t = time.perf_counter()
