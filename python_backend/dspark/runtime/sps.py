@@ -390,7 +390,8 @@ class DraftCost:
                 gram[i][i + 1] -= w
                 gram[i + 1][i] -= w
             lo, hi = self.VERIFY_SCALE_RANGE
-            self._scales[c] = tuple(min(max(x, lo), hi) for x in solve3(gram, xy))  # type: ignore[assignment]
+            a, b, c3 = (min(max(x, lo), hi) for x in solve3(gram, xy))
+            self._scales[c] = (a, b, c3)
 
     def verify_scale(self, num_requests: int) -> tuple[float, float, float]:
         """(anchor-row, first-R-draft-row, further-draft-row) scales for R's class (R.bit_length():
