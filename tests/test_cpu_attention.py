@@ -77,6 +77,30 @@ def test_a_tokens_output_is_the_same_in_any_batch():
         torch.set_num_threads(threads)
 
 
+@needs_kernel
+@pytest.mark.parametrize("heads, kv, hd", [(9, 3, 64), (8, 2, 64), (4, 4, 32), (16, 1, 48), (4, 2, 128)])
+def test_grouped_queries_give_each_query_alone_bits(monkeypatch, heads, kv, hd):
+    """The default layout (a request's tokens and a kv head's query heads through each key block
+    together, runs longer than MAX_RUN cut) writes the same bits as each (token, head) alone, on
+    one and two threads: grouping shares loads, never arithmetic."""
+    batch, q, k_cache, v_cache = _case([1, 11, 3, 6, 17], [300, 17, 550, 0, 200], [2, 0, 4, 1, 3],
+                                       heads=heads, kv=kv, hd=hd, seed=heads + hd)
+    meta = attention.build_attn_meta(batch.seq_idx, batch.positions, batch.cu_seqlens, batch.slots, 3,
+                                     cpu_kernel=True)
+    threads = torch.get_num_threads()
+    try:
+        for n in (1, 2):
+            torch.set_num_threads(n)
+            out = {}
+            for grouped in (True, False):
+                monkeypatch.setattr(cpu_attention, "GROUPED", grouped)
+                out[grouped] = cpu_attention.cached_attention(q, k_cache, v_cache, meta.tok_slot,
+                                                              meta.positions, hd ** -0.5)
+            assert torch.equal(out[True], out[False])
+    finally:
+        torch.set_num_threads(threads)
+
+
 def test_meta_routes_only_short_requests_to_the_kernel():
     """cpu_kernel=True builds the mask-free meta for up to MAX_NEW_TOKENS new tokens a request;
     a longer one (a prefill) keeps torch's path and its mask."""

@@ -72,20 +72,25 @@ def test_other_dtypes_take_torchs_path():
 
 
 @needs_kernel
-def test_bench_glue_times_both_ways_and_restores_the_switch(tiny_ckpt, tmp_path):
+def test_bench_glue_times_every_way_and_restores_the_switches(tiny_ckpt, tmp_path):
     """`dspark bench-glue` on the tiny checkpoint in bf16: verify times and plain tokens/s for
-    torch's ops and the kernels, round by round, and the switch (`cpu_norm.USE`) as it was after."""
+    torch's ops, the kernels, ungrouped attention and the matmuls without their prefetch, round
+    by round, and the switches
+    (`cpu_norm.USE`, `cpu_attention.GROUPED`) as they were after."""
     import json
 
     from dspark.cli import main
+    from dspark.runtime import cpu_attention
 
     out = tmp_path / "glue.json"
-    before = cpu_norm.USE
+    before = cpu_norm.USE, cpu_attention.GROUPED
     assert main(["bench-glue", "--model", str(tiny_ckpt), "--rounds", "2", "--repeats", "2",
                  "--tokens", "1,3", "--context", "8", "--max-tokens", "4", "--prompts-per-round", "1",
                  "--num-threads", "1", "--out", str(out)]) == 0
     result = json.loads(out.read_text())
-    assert set(result["verify_ms"]) == {"torch", "kernels"}
-    assert set(result["verify_ms"]["torch"]) == {"1", "3"}
+    assert set(result["verify_ms"]) == {"torch", "kernels", "ungrouped", "no-prefetch"}
+    assert result["prefetch_plain_speedup"] > 0
+    assert set(result["verify_ms"]["torch"]) == {"1", "3"} == set(result["grouped_attention_saved_ms"])
     assert all(len(v) == 2 and min(v) > 0 for v in result["plain_tokens_per_s"].values())
-    assert result["plain_speedup"] > 0 and cpu_norm.USE == before
+    assert result["plain_speedup"] > 0 and result["grouped_attention_plain_speedup"] > 0
+    assert (cpu_norm.USE, cpu_attention.GROUPED) == before

@@ -7,10 +7,15 @@
  * The scores q·k_j by VDPBF16PS (bf16 pairs, products summed in fp32: 2 instructions a key at
  * hd 64 where widening k to fp32 took 16), times scale; their softmax and the weighted sum of the
  * values in fp32 (a value row widened 32 elements at a time: even elements by a shift, odd ones
- * by a mask, no conversion), rounded once to bf16. Each (token, kv head) is computed alone, in key
- * order, whatever else is in the batch: a token's output is bit-identical in a one-token decode
- * and in an 8-token verify (batch invariance), and no padding, mask or length grouping is needed
- * for ragged batches.
+ * by a mask, no conversion), rounded once to bf16. Each (token, query head) is computed by the
+ * same operations in the same order (keys in order) whatever else is in the batch: a token's
+ * output is bit-identical in a one-token decode and in an 8-token verify (batch invariance), and
+ * no padding, mask or length grouping is needed for ragged batches. What is shared is memory
+ * traffic and conversions, never arithmetic: a request's consecutive tokens (a verify's) and the
+ * G query heads of a kv head go through each block of keys together while it is in L1 (scanned
+ * once per query, from L2, it bounded a verify's attention), and each value row is widened once
+ * for up to V_GROUP queries; a 6-token verify's attention after 400 cached tokens takes ~0.7x the
+ * time of each query alone (`dspark bench-glue`).
  *
  * Layouts (element strides; every tensor bf16 except the int64 indices):
  *   q         [N, H, hd]          token stride q_stride (q may be a view into q|k|v), head stride hd
@@ -83,100 +88,204 @@ static inline __m512i round_bf16(__m512 x) {
     return _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(_mm512_set1_epi32(0x7fff), lsb)), 16);
 }
 
-/* one token's G query heads over one kv head's keys 0..keys-1; s: scratch of G * keys floats.
- * Vectors of 32 elements: c < chunks = hd / 32 rounded up, the last one half (mask 0xFFFF) when
- * hd is an odd multiple of 16. */
-static inline __attribute__((always_inline)) void attend(const uint16_t *q, int64_t g, int64_t hd, const uint16_t *k, const uint16_t *v, int64_t keys,
-                   float scale, float *s, uint16_t *out) {
-    int64_t chunks = (hd + 31) / 32;
+/* The queries of one work item: t <= MAX_RUN consecutive tokens of one request (one slot) times
+ * the G query heads of one kv head, query a = token a / G, head a % G, keys[a / G] keys each.
+ * Each query's arithmetic is the same sequence of operations in the same order as when it is
+ * alone (keys in order, chunks in order), only interleaved with the others': the item's queries
+ * share each block of keys while it is in L1 and each value row's widening to fp32. */
+#define MAX_RUN 8 /* tokens of one request in a work item */
+#define MAX_Q (MAX_RUN * MAX_G)
+#define V_GROUP 4 /* queries sharing one pass over the values (hd 64: 4 x 4 accumulators in registers) */
+
+/* scores pass: s[a][j] = scale · q_a·k_j for j < keys of a, tops[a] their running max (per lane) */
+static inline __attribute__((always_inline)) void scores(const uint16_t *q, int64_t q_stride, int64_t t, int64_t g,
+                                                         int64_t hd, const uint16_t *k, const int64_t *keys,
+                                                         float scale, float *s, int64_t s_stride, __m512 *tops) {
+    int64_t chunks = (hd + 31) / 32, nq = t * g, most = 0;
     __mmask32 last = hd % 32 ? (__mmask32)0xFFFF : (__mmask32)0xFFFFFFFF;
     const __m512 sv = _mm512_set1_ps(scale);
-    for (int64_t a = 0; a < g; a++) {
-        __m512bh qv[MAX_HD / 32];
-        for (int64_t c = 0; c < chunks; c++)
-            qv[c] = (__m512bh)load_pairs(q + a * hd + c * 32, c == chunks - 1 ? last : (__mmask32)0xFFFFFFFF);
-        float *sa = s + a * keys;
-        __m512 tops = _mm512_set1_ps(-INFINITY);
-        for (int64_t j0 = 0; j0 < keys; j0 += 16) { /* 16 keys' scores at a time */
-            int64_t nk = keys - j0 < 16 ? keys - j0 : 16;
+    for (int64_t i = 0; i < t; i++) most = keys[i] > most ? keys[i] : most;
+    for (int64_t a = 0; a < nq; a++) tops[a] = _mm512_set1_ps(-INFINITY);
+    for (int64_t j0 = 0; j0 < most; j0 += 16) { /* 16 keys' scores at a time, for every query */
+        for (int64_t a = 0; a < nq; a++) {
+            int64_t ka = keys[a / g];
+            if (j0 >= ka) continue;
+            int64_t nk = ka - j0 < 16 ? ka - j0 : 16;
+            const uint16_t *qa = q + (a / g) * q_stride + (a % g) * hd;
+            __m512bh qv[MAX_HD / 32];
+            for (int64_t c = 0; c < chunks; c++)
+                qv[c] = (__m512bh)load_pairs(qa + c * 32, c == chunks - 1 ? last : (__mmask32)0xFFFFFFFF);
             __m512 acc[16];
-            for (int64_t t = 0; t < 16; t++) {
-                acc[t] = _mm512_setzero_ps();
-                if (t < nk) {
-                    const uint16_t *kj = k + (j0 + t) * hd;
+            for (int64_t u = 0; u < 16; u++) {
+                acc[u] = _mm512_setzero_ps();
+                if (u < nk) {
+                    const uint16_t *kj = k + (j0 + u) * hd;
                     for (int64_t c = 0; c < chunks; c++)
-                        acc[t] = _mm512_dpbf16_ps(acc[t], qv[c],
+                        acc[u] = _mm512_dpbf16_ps(acc[u], qv[c],
                                                   (__m512bh)load_pairs(kj + c * 32, c == chunks - 1 ? last : (__mmask32)0xFFFFFFFF));
                 }
             }
             __mmask16 live = (__mmask16)((1u << nk) - 1);
             __m512 sc = _mm512_mul_ps(sum16(acc), sv);
-            _mm512_mask_storeu_ps(sa + j0, live, sc);
-            tops = _mm512_mask_max_ps(tops, live, tops, sc);
+            _mm512_mask_storeu_ps(s + a * s_stride + j0, live, sc);
+            tops[a] = _mm512_mask_max_ps(tops[a], live, tops[a], sc);
         }
-        float top = _mm512_reduce_max_ps(tops);
-        /* e_j = exp(s_j - max), summed 16 lanes at a time in key order */
-        __m512 sum = _mm512_setzero_ps(), m = _mm512_set1_ps(top);
-        int64_t j = 0;
-        for (; j + 16 <= keys; j += 16) {
-            __m512 e = exp_neg(_mm512_sub_ps(_mm512_loadu_ps(sa + j), m));
-            _mm512_storeu_ps(sa + j, e);
-            sum = _mm512_add_ps(sum, e);
-        }
-        if (j < keys) {
-            __mmask16 rest = (__mmask16)((1u << (keys - j)) - 1);
-            __m512 e = _mm512_maskz_mov_ps(rest, exp_neg(_mm512_sub_ps(_mm512_maskz_loadu_ps(rest, sa + j), m)));
-            _mm512_mask_storeu_ps(sa + j, rest, e);
-            sum = _mm512_add_ps(sum, e);
-        }
-        __m512 inv = _mm512_set1_ps(1.0f / _mm512_reduce_add_ps(sum));
-        /* o = Σ_j e_j v_j in key order, the even and the odd elements of each 32 apart */
-        __m512 even[MAX_HD / 32], odd[MAX_HD / 32];
-        for (int64_t c = 0; c < chunks; c++) even[c] = odd[c] = _mm512_setzero_ps();
-        for (int64_t jj = 0; jj < keys; jj++) {
-            __m512 p = _mm512_set1_ps(sa[jj]);
-            const uint16_t *vj = v + jj * hd;
-            for (int64_t c = 0; c < chunks; c++) {
-                __m512i pairs = load_pairs(vj + c * 32, c == chunks - 1 ? last : (__mmask32)0xFFFFFFFF);
-                even[c] = _mm512_fmadd_ps(p, even_of(pairs), even[c]);
-                odd[c] = _mm512_fmadd_ps(p, odd_of(pairs), odd[c]);
+    }
+}
+
+/* softmax numerators of one query's scores sa[0..keys-1] in place, e_j = exp(s_j - max), summed
+ * 16 lanes at a time in key order -> 1 / their sum */
+static inline float exponentiate(float *sa, int64_t keys, __m512 tops) {
+    __m512 sum = _mm512_setzero_ps(), m = _mm512_set1_ps(_mm512_reduce_max_ps(tops));
+    int64_t j = 0;
+    for (; j + 16 <= keys; j += 16) {
+        __m512 e = exp_neg(_mm512_sub_ps(_mm512_loadu_ps(sa + j), m));
+        _mm512_storeu_ps(sa + j, e);
+        sum = _mm512_add_ps(sum, e);
+    }
+    if (j < keys) {
+        __mmask16 rest = (__mmask16)((1u << (keys - j)) - 1);
+        __m512 e = _mm512_maskz_mov_ps(rest, exp_neg(_mm512_sub_ps(_mm512_maskz_loadu_ps(rest, sa + j), m)));
+        _mm512_mask_storeu_ps(sa + j, rest, e);
+        sum = _mm512_add_ps(sum, e);
+    }
+    return 1.0f / _mm512_reduce_add_ps(sum);
+}
+
+/* values pass of n <= V_GROUP queries (rows sa[a] of numerators, ka[a] keys, inv[a] = 1 / their
+ * sum): o_a = inv_a · Σ_j e_aj v_j in key order, the even and the odd elements of each 32 apart,
+ * each value row widened once for all n; rounded once to bf16 into out[a] */
+static inline __attribute__((always_inline)) void values(int64_t n, int64_t hd, const uint16_t *v, float *const *sa,
+                                                         const int64_t *ka, const float *inv, uint16_t *const *out) {
+    int64_t chunks = (hd + 31) / 32, fewest = ka[0], most = ka[0];
+    __mmask32 last = hd % 32 ? (__mmask32)0xFFFF : (__mmask32)0xFFFFFFFF;
+    __m512 even[V_GROUP][MAX_HD / 32], odd[V_GROUP][MAX_HD / 32];
+    for (int64_t a = 0; a < n; a++) {
+        fewest = ka[a] < fewest ? ka[a] : fewest;
+        most = ka[a] > most ? ka[a] : most;
+        for (int64_t c = 0; c < chunks; c++) even[a][c] = odd[a][c] = _mm512_setzero_ps();
+    }
+    for (int64_t jj = 0; jj < most; jj++) {
+        const uint16_t *vj = v + jj * hd;
+        int all = jj < fewest;
+        for (int64_t c = 0; c < chunks; c++) {
+            __m512i pairs = load_pairs(vj + c * 32, c == chunks - 1 ? last : (__mmask32)0xFFFFFFFF);
+            __m512 ev = even_of(pairs), od = odd_of(pairs);
+            for (int64_t a = 0; a < n; a++) {
+                if (!all && jj >= ka[a]) continue;
+                __m512 p = _mm512_set1_ps(sa[a][jj]);
+                even[a][c] = _mm512_fmadd_ps(p, ev, even[a][c]);
+                odd[a][c] = _mm512_fmadd_ps(p, od, odd[a][c]);
             }
         }
+    }
+    for (int64_t a = 0; a < n; a++) {
+        __m512 ia = _mm512_set1_ps(inv[a]);
         for (int64_t c = 0; c < chunks; c++) { /* back to element order: lane i = (2i, 2i+1) */
-            __m512i lo = round_bf16(_mm512_mul_ps(even[c], inv)), hi = round_bf16(_mm512_mul_ps(odd[c], inv));
-            _mm512_mask_storeu_epi16(out + a * hd + c * 32, c == chunks - 1 ? last : (__mmask32)0xFFFFFFFF,
+            __m512i lo = round_bf16(_mm512_mul_ps(even[a][c], ia)), hi = round_bf16(_mm512_mul_ps(odd[a][c], ia));
+            _mm512_mask_storeu_epi16(out[a] + c * 32, c == chunks - 1 ? last : (__mmask32)0xFFFFFFFF,
                                      _mm512_or_si512(lo, _mm512_slli_epi32(hi, 16)));
         }
     }
 }
 
-/* returns 0; -1 when hd / G are outside what it handles (the caller checks them first); -2 when a
- * thread's score scratch could not be allocated (its outputs are then not written) */
+/* values() with n and hd 64 constants (SmolLM2's head size: the accumulators stay in registers) */
+static void values64(int64_t n, const uint16_t *v, float *const *sa, const int64_t *ka, const float *inv,
+                     uint16_t *const *out) {
+    switch (n) {
+    case 1: values(1, 64, v, sa, ka, inv, out); break;
+    case 2: values(2, 64, v, sa, ka, inv, out); break;
+    case 3: values(3, 64, v, sa, ka, inv, out); break;
+    default: values(4, 64, v, sa, ka, inv, out); break;
+    }
+}
+
+/* one work item (see MAX_RUN): its t tokens' G heads over kv head `k`, `v`; s: scratch of
+ * t · G · s_stride floats */
+static inline __attribute__((always_inline)) void attend(const uint16_t *q, int64_t q_stride, int64_t t, int64_t g,
+                                                         int64_t hd, const uint16_t *k, const uint16_t *v,
+                                                         const int64_t *keys, float scale, float *s,
+                                                         int64_t s_stride, uint16_t *out, int64_t out_stride) {
+    __m512 tops[MAX_Q];
+    float inv[MAX_Q];
+    int64_t nq = t * g;
+    scores(q, q_stride, t, g, hd, k, keys, scale, s, s_stride, tops);
+    for (int64_t a = 0; a < nq; a++) inv[a] = exponentiate(s + a * s_stride, keys[a / g], tops[a]);
+    int64_t step = hd == 64 ? V_GROUP : 1; /* wider heads: one query a pass (its accumulators fill the registers) */
+    for (int64_t a0 = 0; a0 < nq; a0 += step) {
+        int64_t n = nq - a0 < step ? nq - a0 : step, ka[V_GROUP];
+        float *sa[V_GROUP];
+        uint16_t *oa[V_GROUP];
+        for (int64_t a = 0; a < n; a++) {
+            ka[a] = keys[(a0 + a) / g];
+            sa[a] = s + (a0 + a) * s_stride;
+            oa[a] = out + ((a0 + a) / g) * out_stride + ((a0 + a) % g) * hd;
+        }
+        if (hd == 64)
+            values64(n, v, sa, ka, inv + a0, oa);
+        else
+            values(1, hd, v, sa, ka, inv + a0, oa);
+    }
+}
+
+/* the work items' first tokens when runs of one slot are cut at `cap` tokens -> their count;
+ * first[count] = n */
+static int64_t cut_runs(const int64_t *tok_slot, int64_t n, int64_t cap, int64_t *first) {
+    int64_t items = 0;
+    for (int64_t i = 0; i < n; i++)
+        if (i == 0 || tok_slot[i] != tok_slot[i - 1] || i - first[items - 1] >= cap) first[items++] = i;
+    first[items] = n;
+    return items;
+}
+
+/* returns 0; -1 when hd / G are outside what it handles (the caller checks them first); -2 when
+ * scratch could not be allocated (the outputs are then not written). Work items: runs of up to
+ * MAX_RUN consecutive tokens of one slot (a verify's tokens) times kv heads, cut shorter where
+ * that leaves too few items for the threads. grouped 0: each (token, query head) alone, as
+ * before the grouping (the same bits, for benchmarks: `dspark bench-glue`). */
 int cached_attention_bf16(const uint16_t *q, int64_t q_stride, const uint16_t *k, const uint16_t *v,
                           const int64_t *tok_slot, const int64_t *positions, uint16_t *out, int64_t n, int64_t h,
-                          int64_t hkv, int64_t s_max, int64_t hd, float scale, int threads) {
-    int64_t g = h / hkv;
+                          int64_t hkv, int64_t s_max, int64_t hd, float scale, int threads, int grouped) {
+    int64_t g = h / hkv, most = 0, cap = grouped ? MAX_RUN : 1, runs;
     int failed = 0;
     if (hd % 16 || hd > MAX_HD || g > MAX_G || g * hkv != h) return -1;
+    int64_t *first = malloc(sizeof(int64_t) * (n + 1)), *keys = malloc(sizeof(int64_t) * (n > 0 ? n : 1));
+    if (!first || !keys) {
+        free(first);
+        free(keys);
+        return -2;
+    }
+    for (int64_t i = 0; i < n; i++) {
+        keys[i] = positions[i] + 1;
+        most = keys[i] > most ? keys[i] : most;
+    }
+    runs = cut_runs(tok_slot, n, cap, first);
+    while (threads > 1 && cap > 1 && runs * hkv < 4 * threads) runs = cut_runs(tok_slot, n, cap /= 2, first);
+    int64_t s_stride = (most + 15) / 16 * 16;
 #pragma omp parallel num_threads(threads) if (threads > 1) reduction(| : failed)
     {
-        float *s = malloc(sizeof(float) * g * s_max);
+        float *s = malloc(sizeof(float) * cap * g * s_stride);
         failed |= s == NULL;
 #pragma omp for schedule(static)
-        for (int64_t w = 0; w < n * hkv; w++) {
-            int64_t i = w / hkv, kvh = w % hkv;
+        for (int64_t w = 0; w < runs * hkv; w++) {
+            int64_t r = w / hkv, kvh = w % hkv, i = first[r], t = first[r + 1] - i;
             const uint16_t *kb = k + (tok_slot[i] * hkv + kvh) * s_max * hd;
             const uint16_t *vb = v + (tok_slot[i] * hkv + kvh) * s_max * hd;
             const uint16_t *qi = q + i * q_stride + kvh * g * hd;
             uint16_t *oi = out + (i * h + kvh * g) * hd;
             if (!s) continue;
-            if (hd == 64) /* SmolLM2's head size: the vector loops unrolled, their registers fixed */
-                attend(qi, g, 64, kb, vb, positions[i] + 1, scale, s, oi);
+            if (!grouped) /* t is 1 */
+                for (int64_t a = 0; a < g; a++)
+                    attend(qi + a * hd, q_stride, 1, 1, hd, kb, vb, keys + i, scale, s, s_stride, oi + a * hd, h * hd);
+            else if (hd == 64) /* SmolLM2's head size: the vector loops unrolled, their registers fixed */
+                attend(qi, q_stride, t, g, 64, kb, vb, keys + i, scale, s, s_stride, oi, h * hd);
             else
-                attend(qi, g, hd, kb, vb, positions[i] + 1, scale, s, oi);
+                attend(qi, q_stride, t, g, hd, kb, vb, keys + i, scale, s, s_stride, oi, h * hd);
         }
         free(s);
     }
+    free(first);
+    free(keys);
     return failed ? -2 : 0;
 }
 

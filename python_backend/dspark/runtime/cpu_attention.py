@@ -4,10 +4,11 @@ with AVX512-BF16 (the scores by VDPBF16PS), through our own small C kernel
 called through ctypes). Each token's heads
 read their slot's keys 0..position in order, fp32 softmax, one rounding to bf16: a token's output
 is bit-identical whatever else is in the batch (a verify attends exactly as plain decoding
-does), and a ragged batch needs no padding, mask or length groups. ATen's CPU flash kernel is
-built for long query blocks; with the few query rows of a decode or a verify its per-call cost
-dominated (README "Attention on an AVX512-BF16 CPU"). `attention._attend_torch` is the reference
-(tests/test_cpu_attention.py)."""
+does), and a ragged batch needs no padding, mask or length groups. A request's tokens and the
+query heads of a kv head share each block of keys while it is in L1 (loads, not arithmetic).
+ATen's CPU flash kernel is built for long query blocks; with the few query rows of a decode or a
+verify its per-call cost dominated (README "Attention on an AVX512-BF16 CPU").
+`attention._attend_torch` is the reference (tests/test_cpu_attention.py)."""
 
 from __future__ import annotations
 
@@ -22,14 +23,18 @@ from dspark.runtime import cpu_gemm, cpu_norm
 SOURCE = paths.REPO_ROOT / "kernels" / "cpu" / "cached_attention.c"
 FLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-fopenmp", "-shared", "-fPIC"]
 MAX_NEW_TOKENS = 64  # longest request (new tokens) it runs; longer ones (prefills) keep ATen's flash kernel
+# a request's tokens and a kv head's query heads share each block of keys (the default); False:
+# each query alone, the same bits (the layout before the grouping, for `dspark bench-glue`)
+GROUPED = True
 
 
 @lru_cache(maxsize=1)
 def library() -> ctypes.CDLL | None:
     """The kernel library, or None where it cannot run here (no AVX512-BF16, or no build)."""
     ptr, i64 = cpu_gemm.PTR, cpu_gemm.I64
-    # (q, q_stride, k, v, tok_slot, positions, out, n, h, hkv, s_max, hd, scale, threads) -> status
-    args = [ptr, i64, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, ctypes.c_float, cpu_gemm.INT]
+    # (q, q_stride, k, v, tok_slot, positions, out, n, h, hkv, s_max, hd, scale, threads, grouped) -> status
+    args = [ptr, i64, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, ctypes.c_float, cpu_gemm.INT,
+            cpu_gemm.INT]
     # (qkv, qkv_stride, cos, sin, q_out, k, v, tok_slot, positions, n, h, hkv, s_max, hd)
     rope = [ptr, i64, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64]
     return cpu_gemm.load(SOURCE, FLAGS, {"avx512f", "avx512bw", "avx512vl", "avx512_bf16"},
@@ -67,7 +72,8 @@ def cached_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         tok_slot, positions = tok_slot.contiguous(), positions.contiguous()
         rc = lib.cached_attention_bf16(q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(),
                                        tok_slot.data_ptr(), positions.data_ptr(), out.data_ptr(), n, h,
-                                       k_cache.shape[1], k_cache.shape[2], hd, scale, torch.get_num_threads())
+                                       k_cache.shape[1], k_cache.shape[2], hd, scale, torch.get_num_threads(),
+                                       int(GROUPED))
         if rc == -2:
             raise MemoryError(f"cached_attention: no memory for the scores of {k_cache.shape[2]} keys")
         if rc != 0:
