@@ -72,6 +72,33 @@ def test_other_dtypes_take_torchs_path():
 
 
 @needs_kernel
+def test_rms_norm_module_runs_the_kernel_at_bf16_inference_and_torch_under_autograd(monkeypatch):
+    """`model.RMSNorm` on bf16 CPU rows of any leading shape runs the kernel when no gradient is
+    recorded (the drafter's norms at serving time: [R, T, H, hd] q/k norms too), F.rms_norm when
+    autograd records (training) and for fp32."""
+    from dspark.runtime.model import RMSNorm
+
+    norm = RMSNorm(64, 1e-6).to(torch.bfloat16)
+    with torch.no_grad():
+        norm.weight.uniform_(0.5, 1.5)
+    x = torch.randn(2, 3, 4, 64, generator=torch.Generator().manual_seed(0)).bfloat16() * 4
+    calls: list[int] = []
+    kernel = cpu_norm.add_rms_norm
+    monkeypatch.setattr("dspark.runtime.model.add_rms_norm", lambda *a: calls.append(1) or kernel(*a))
+    with torch.inference_mode():
+        got = norm(x)
+    want = torch.nn.functional.rms_norm(x, (64,), norm.weight.detach(), 1e-6)
+    assert calls and got.shape == x.shape and ulps(got, want).max() <= 1
+    calls.clear()
+    y = norm(x.requires_grad_())
+    y.float().sum().backward()
+    assert not calls and norm.weight.grad is not None
+    with torch.no_grad():
+        norm.float()(x.detach().float())
+    assert not calls
+
+
+@needs_kernel
 def test_bench_glue_times_every_way_and_restores_the_switches(tiny_ckpt, tmp_path):
     """`dspark bench-glue` on the tiny checkpoint in bf16: verify times and plain tokens/s for
     torch's ops, the kernels, ungrouped attention and the matmuls without their prefetch, round

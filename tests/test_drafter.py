@@ -327,6 +327,34 @@ def test_greedy_bigram_table_drafts_like_the_sequential_head(target):
     assert make_dspark(target, "rnn").pack_for_inference()._bigram is None  # Markov heads only
 
 
+def test_bf16_drafter_attends_through_the_cpu_kernel_like_sdpa(target, monkeypatch):
+    """On a CPU where our bf16 attention kernel serves, a bf16 drafter's block attends through it
+    (each block query over its slot's rows 0..L+G−1, the mask SDPA is given): the same logits and
+    confidences as SDPA's path within bf16 roundings, across two slots of different lengths."""
+    from dspark.runtime import cpu_attention
+
+    if not cpu_attention.enabled(torch.device("cpu"), torch.bfloat16, 4, 2, 16):
+        pytest.skip("our bf16 CPU attention kernel does not serve on this machine")
+    emb, lm, _ = shared_weights(target)
+    prompts, taps = prompts_and_taps(target)
+    tokens = torch.tensor([[3, 4, 5, 6], [7, 8, 9, 10]])
+    calls: list[int] = []
+    attend = cpu_attention.cached_attention
+    monkeypatch.setattr(cpu_attention, "cached_attention", lambda *a: calls.append(1) or attend(*a))
+    out = {}
+    for kernel in (True, False):
+        if not kernel:
+            monkeypatch.setattr(cpu_attention, "enabled", lambda *a: False)
+        d = make_dspark(target, "markov")
+        d = DSparkDrafter(d.model.to(torch.bfloat16), emb.bfloat16(), lm.bfloat16()).pack_for_inference()
+        start_all(d, prompts, [t.bfloat16() for t in taps], [0, 1])
+        out[kernel] = d.score([0, 1], torch.tensor([5, 9]), tokens)
+        assert bool(calls) == kernel
+        calls.clear()
+    for got, want in zip(out[True], out[False]):
+        torch.testing.assert_close(got.float(), want.float(), atol=0.1, rtol=0.05)
+
+
 def test_pending_extends_join_the_next_propose(target):
     """extend is checked at once and run with the next propose, inside the backbone's own
     projections; several pending extends of one slot (the first leaving scratch rows where the

@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from safetensors.torch import load_file
 from torch import nn
 
+from dspark.runtime import cpu_attention
 from dspark.runtime.cpu_argmax import bigram_chain, row_argmax
 from dspark.runtime.drafter.context import SlotDrafter, SlotKV, segments
 from dspark.runtime.drafter.dspark_model import DraftLayer, DSparkConfig, DSparkModel, save_dspark
@@ -67,7 +68,7 @@ class DSparkDrafter(SlotDrafter):
         draft LM head alone was 38 % of a batch-1 propose with F.linear. The model's weights must
         not change afterwards (a loaded drafter; not one that is being trained)."""
         m = self.model
-        linears = [m.fc]
+        linears = [m.fc, m.conf.proj]  # the confidence head: torch's addmm started cold, ~0.2 ms
         # one GEMM where the layer runs several on the same rows (q, k, v; gate, up): fewer
         # calls, and on the CPU each one starts on weights the target's step left cold
         for i, layer in enumerate(m.draft_layers):
@@ -290,8 +291,12 @@ class DSparkDrafter(SlotDrafter):
         kv.reserve(slots, [rows])
         lens = kv.lengths[slot_t]
         pos = lens[:, None] + torch.arange(g, device=dev)  # [R, G]
-        # every block query sees its slot's context and the whole block (non-causal inside it)
-        mask = (torch.arange(rows, device=dev)[None, :] < (lens + g)[:, None])[:, None, None, :]
+        # every block query sees its slot's context and the whole block (non-causal inside it):
+        # rows 0..L+G−1, what our CPU attention kernel reads for a token at position L+G−1
+        layer0 = m.draft_layers[0]
+        kernel = cpu_attention.enabled(dev, self.dtype, layer0.n_heads, layer0.n_kv, layer0.head_dim)
+        mask = None if kernel else (torch.arange(rows, device=dev)[None, :]
+                                    < (lens + g)[:, None])[:, None, None, :]
         x = m.block_inputs(anchors)
         cos, sin = self._rope(pos, rows)
         n, cos_all, sin_all = 0, cos.reshape(1, r * g, -1), sin.reshape(1, r * g, -1)
@@ -318,7 +323,6 @@ class DSparkDrafter(SlotDrafter):
             q = q[n:].view(r, g, -1)
             k, v = (t[0, n:].view(r, g, *t.shape[2:]) for t in (k, v))
             kv.write(i, slot_rows, pos, k, v)
-            keys, vals = kv.read(i, slot_t, first, rows)
             # the last layer's outputs are read at the `width` drafted positions only: positions
             # ≥ width enter it as keys and values, so its queries, o_proj and MLP run on width
             # rows, not G (every row's output is unchanged: attention rows are independent; the
@@ -327,16 +331,29 @@ class DSparkDrafter(SlotDrafter):
             x = x[:, :nq]
             q = layer.q_norm(q[:, :nq].reshape(r, nq, layer.n_heads, layer.head_dim))
             q = apply_rope(q, cos[:, :nq], sin[:, :nq])
-            # GQA without copying K/V: the query heads sharing a kv head become rows of one query
-            # block, [R, Hkv, (H/Hkv)·nq, hd] against the slot cache's [R, Hkv, rows, hd]
-            grp = layer.n_heads // layer.n_kv
-            qg = q.view(r, nq, layer.n_kv, grp, layer.head_dim).permute(0, 2, 3, 1, 4)
-            qg = qg.reshape(r, layer.n_kv, grp * nq, layer.head_dim)
-            out = F.scaled_dot_product_attention(qg, keys, vals, attn_mask=mask)
-            out = out.view(r, layer.n_kv, grp, nq, layer.head_dim).permute(0, 3, 1, 2, 4)
+            if kernel:
+                out = cpu_attention.cached_attention(
+                    q.reshape(r * nq, layer.n_heads, layer.head_dim), kv.k[i], kv.v[i],
+                    slot_rows[:, :nq].reshape(-1), (lens + g - 1)[:, None].expand(r, nq).reshape(-1),
+                    layer.head_dim ** -0.5)
+            else:
+                out = self._attend_sdpa(layer, q, *kv.read(i, slot_t, first, rows), mask)
             x = x + proj(layer.o_proj, out.reshape(r, nq, -1))
             x = x + self._mlp(i, layer, layer.post_norm(x))
         return x
+
+    @staticmethod
+    def _attend_sdpa(layer: DraftLayer, q: torch.Tensor, keys: torch.Tensor, vals: torch.Tensor,
+                     mask: torch.Tensor | None) -> torch.Tensor:
+        """q [R, nq, H, hd] over the slots' K/V [R, Hkv, rows, hd] under mask -> [R, nq, H, hd].
+        GQA without copying K/V: the query heads sharing a kv head become rows of one query
+        block, [R, Hkv, (H/Hkv)·nq, hd]."""
+        r, nq = q.shape[:2]
+        grp = layer.n_heads // layer.n_kv
+        qg = q.view(r, nq, layer.n_kv, grp, layer.head_dim).permute(0, 2, 3, 1, 4)
+        qg = qg.reshape(r, layer.n_kv, grp * nq, layer.head_dim)
+        out = F.scaled_dot_product_attention(qg, keys, vals, attn_mask=mask)
+        return out.view(r, layer.n_kv, grp, nq, layer.head_dim).permute(0, 3, 1, 2, 4)
 
     def _head(self, h: torch.Tensor, base: torch.Tensor, x0: torch.Tensor,
               choose) -> tuple[torch.Tensor, torch.Tensor]:
@@ -356,7 +373,7 @@ class DSparkDrafter(SlotDrafter):
     def _confidence(self, h: torch.Tensor, x0: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
         """Confidence logits [R, w] of a drafted block: z_k reads h_k and x_{k−1} (x_0 the anchor)."""
         prev = torch.cat([x0[:, None], tokens[:, :-1]], dim=1)
-        return self.model.conf(h, self.model.head.token_features(prev)).float()
+        return self.model.conf(h, self.model.head.token_features(prev), self._proj).float()
 
     def _greedy_bigram(self, h: torch.Tensor, base: torch.Tensor,
                        x0: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

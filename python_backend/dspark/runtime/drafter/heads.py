@@ -110,9 +110,11 @@ class ConfidenceHead(nn.Module):
         nn.init.zeros_(self.proj.weight)
         nn.init.constant_(self.proj.bias, 0.0)
 
-    def forward(self, h: torch.Tensor, token_features: torch.Tensor) -> torch.Tensor:
-        """h [..., d], token_features [..., r] -> z [...]."""
-        return self.proj(torch.cat([h, token_features], dim=-1)).squeeze(-1)
+    def forward(self, h: torch.Tensor, token_features: torch.Tensor, apply=None) -> torch.Tensor:
+        """h [..., d], token_features [..., r] -> z [...]. apply(linear, x): how to run the
+        projection (default: the module itself; serving passes its packed weights)."""
+        x = torch.cat([h, token_features], dim=-1)
+        return (self.proj(x) if apply is None else apply(self.proj, x)).squeeze(-1)
 
 
 def make_head(kind: str, vocab_size: int, hidden_size: int, rank: int) -> nn.Module:
