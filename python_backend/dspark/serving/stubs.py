@@ -23,7 +23,9 @@ from dspark.runtime.interfaces import DrafterLike
 from dspark.serving.bls import RemoteModel
 
 TARGET_METHODS = ("describe", "allocate", "release", "prefill", "verify")
-DRAFTER_METHODS = ("describe", "start", "release", "extend", "propose", "draft_probs")
+DRAFTER_METHODS = ("describe", "start", "release", "extend", "propose", "draft_probs", "flush")
+# served only where the drafter has them (`describe` lists them; the stub exposes no others)
+OPTIONAL_DRAFTER_METHODS = ("flush",)
 # Tensor inputs each model declares in its config.pbtxt (besides `call`).
 TARGET_TENSORS = ("tokens", "seq_idx", "positions", "cu_seqlens", "slots")
 TARGET_OUTPUTS = ("result", "out_0", "out_1", "out_1_lengths")
@@ -141,6 +143,7 @@ class DrafterServer:
             "sts_shifts": [float(b) for b in getattr(d, "sts_shifts", None) or []],
             "calibrated_sources": [int(c) for c in getattr(d, "calibrated_sources", None) or []],
             "kind": type(d).__name__,
+            "optional": [m for m in OPTIONAL_DRAFTER_METHODS if callable(getattr(d, m, None))],
         }
 
     def __getattr__(self, name: str):
@@ -164,7 +167,11 @@ class DrafterStub:
         self.sts_temperatures = [float(t) for t in info["sts_temperatures"]] or None
         self.sts_shifts = [float(b) for b in info.get("sts_shifts", [])] or None
         self.calibrated_sources = tuple(int(c) for c in info.get("calibrated_sources", []))
-        self._names = {m: _arg_names(DrafterLike, m) for m in DRAFTER_METHODS if m != "describe"}
+        self._names = {m: _arg_names(DrafterLike, m) for m in DRAFTER_METHODS
+                       if m != "describe" and m not in OPTIONAL_DRAFTER_METHODS}
+        # a lazy drafter's pending context work, forwarded where it has it (the engine times a
+        # catch-up's flush apart from the next propose: `SpecEngine._settle_drafter`)
+        self._names.update({m: [] for m in info.get("optional", []) if m in OPTIONAL_DRAFTER_METHODS})
 
     def __getattr__(self, method: str):
         names = self.__dict__.get("_names", {})
