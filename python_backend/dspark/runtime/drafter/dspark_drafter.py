@@ -54,6 +54,10 @@ class DSparkDrafter(SlotDrafter):
         cfg = self.config
         self.dtype = self.model.fc.weight.dtype
         self._kv = SlotKV(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, self.device, self.dtype)
+        # the block attends through our CPU attention kernel where it serves (`_backbone`); decided
+        # once, as the target does
+        self._cpu_attention = cpu_attention.enabled(self.device, self.dtype, cfg.num_heads, cfg.num_kv_heads,
+                                                    cfg.head_dim)
         self._pending: list[tuple] = []  # (slots, tokens, taps, cu_seqlens, keep) of extends not yet run
         self._packed: dict[nn.Module, Projection] = {}
         # fused serving projections per layer: "qkv", "gate_up"
@@ -293,8 +297,7 @@ class DSparkDrafter(SlotDrafter):
         pos = lens[:, None] + torch.arange(g, device=dev)  # [R, G]
         # every block query sees its slot's context and the whole block (non-causal inside it):
         # rows 0..L+G−1, what our CPU attention kernel reads for a token at position L+G−1
-        layer0 = m.draft_layers[0]
-        kernel = cpu_attention.enabled(dev, self.dtype, layer0.n_heads, layer0.n_kv, layer0.head_dim)
+        kernel = self._cpu_attention
         mask = None if kernel else (torch.arange(rows, device=dev)[None, :]
                                     < (lens + g)[:, None])[:, None, None, :]
         x = m.block_inputs(anchors)
