@@ -449,8 +449,9 @@ class WidthRecording(Recording):
 
 def test_drafts_only_what_the_step_can_verify(target, prompts, reference):
     """The drafter proposes the policy's draft width: fixed:k k tokens (capped at γ; MTP-1 one), a
-    dspark step of the uniform shape one per request, a ranked one γ. Greedy output stays
-    identical, and t_draft(R) (the ranked step's price) is learned from full blocks only."""
+    dspark step of the uniform shape one per request, a ranked one at most γ (γ on some:
+    `DSpark._ranked_width`). Greedy output stays identical, and t_draft(R) (the ranked step's
+    price) is learned from full blocks only."""
     for spec, want in (("mtp1", {1}), ("fixed:3", {3}), ("fixed:9", {4})):
         drafter = WidthRecording(4)
         engine = SpecEngine(target, drafter, spec, sps=SPS)
@@ -467,8 +468,26 @@ def test_drafts_only_what_the_step_can_verify(target, prompts, reference):
     policy.wants_draft = wants_draft
     assert engine.generate(prompts, MAX_TOKENS, stop_token_ids=[]) == reference
     check_clean(engine, target)
-    assert set(drafter.widths) == {1, 4} and policy.uniform_steps > 0
+    assert {1, 4} <= set(drafter.widths) <= {1, 2, 3, 4} and policy.uniform_steps > 0
     assert min(policy.draft_cost.to_dict().values()) >= 0.01  # never a narrow propose's time
+
+
+def test_dspark_narrows_ranked_blocks_to_the_accepted_depth(target, prompts, reference):
+    """A ranked dspark step drafts one past the most drafts accepted in the last ranked steps of
+    its class of R (`DSpark._ranked_width`): with a drafter whose drafts the target rejects,
+    the blocks shrink to one token between the full-width steps, and greedy output is plain's."""
+    class Wrong(WidthRecording):
+        def propose(self, slots, anchors, params, uniforms):
+            block = super().propose(slots, anchors, params, uniforms)
+            return DraftBlock((block.tokens + 1) % target.vocab_size, block.conf_logits, block.sources)
+
+    drafter = Wrong(4)
+    engine = SpecEngine(target, drafter, "dspark", sps=SPS)
+    engine.policy.wants_draft = lambda num_requests: (
+        setattr(engine.policy, "_width_next", engine.policy._ranked_width(num_requests)) or True)
+    assert engine.generate(prompts, MAX_TOKENS, stop_token_ids=[]) == reference
+    check_clean(engine, target)
+    assert drafter.widths.count(1) > drafter.widths.count(4) > 0
 
 
 def every_nth_step(policy_spec: str, n: int):

@@ -231,6 +231,36 @@ def test_non_anticipation_property(spec):
     assert count_anticipation_violations(spec, trials=200) == 0
 
 
+def test_dspark_ranked_width_reads_accepted_depths_of_completed_steps():
+    """A ranked block is one token wider than the most drafts accepted in the last
+    `depth_window` ranked steps of R's class (γ at first and on every `full_width_every`-th);
+    a uniform step drafts one. Only `observe_acceptance` (a completed step) moves it."""
+    policy = make_policy("dspark", sps=SPSTable.gpu_shaped(), gamma=7)
+    assert isinstance(policy, DSpark) and (policy.depth_window, policy.full_width_every) == (8, 8)
+    survival, lengths = torch.ones(1, 7), torch.tensor([5])
+    widths = []
+    for accepted in [2, 3, 0, 0, 0, 0, 0, 0, 0, 0]:
+        policy.wants_draft(1)
+        widths.append(policy.draft_width())
+        policy.observe_acceptance(survival, lengths, torch.tensor([accepted]))
+    policy.wants_draft(1)
+    widths.append(policy.draft_width())
+    # none yet: γ; then 1 + max of the window; the 8th ranked step full; the 2 and 3 leave the window
+    assert widths == [7, 3, 4, 4, 4, 4, 4, 4, 7, 4, 1]
+    policy.wants_draft(8)  # another class of R: nothing learned there yet
+    assert policy.draft_width() == 7
+    policy.wants_draft(1)
+    policy._next_shape = "uniform"
+    assert policy.draft_width() == 1
+    twin = make_policy("dspark", sps=SPSTable.gpu_shaped(), gamma=7)
+    twin.warm_from(policy)
+    twin.wants_draft(1)
+    assert twin.draft_width() == 1
+    policy.reset()
+    policy.wants_draft(1)
+    assert policy.draft_width() == 7
+
+
 def test_property_catches_retrospective_policy():
     assert count_anticipation_violations("retrospective", trials=200) >= 3
 

@@ -28,9 +28,10 @@ MAX_NEW_TOKENS = 64  # longest request (new tokens) it runs; longer ones (prefil
 GROUPED = True
 
 
-@lru_cache(maxsize=1)
-def library() -> ctypes.CDLL | None:
-    """The kernel library, or None where it cannot run here (no AVX512-BF16, or no build)."""
+@lru_cache(maxsize=4)
+def library(defines: tuple[str, ...] = ()) -> ctypes.CDLL | None:
+    """The kernel library (`defines` picks a variant such as ATTN_NO_PREFETCH, for benchmarks), or
+    None where it cannot run here (no AVX512-BF16, or no build)."""
     ptr, i64 = cpu_gemm.PTR, cpu_gemm.I64
     # (q, q_stride, k, v, tok_slot, positions, out, n, h, hkv, s_max, hd, scale, threads, grouped) -> status
     args = [ptr, i64, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, ctypes.c_float, cpu_gemm.INT,
@@ -38,7 +39,8 @@ def library() -> ctypes.CDLL | None:
     # (qkv, qkv_stride, cos, sin, q_out, k, v, tok_slot, positions, n, h, hkv, s_max, hd)
     rope = [ptr, i64, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64]
     return cpu_gemm.load(SOURCE, FLAGS, {"avx512f", "avx512bw", "avx512vl", "avx512_bf16"},
-                         {"cached_attention_bf16": (args, ctypes.c_int), "rope_write_kv_bf16": (rope, None)})
+                         {"cached_attention_bf16": (args, ctypes.c_int), "rope_write_kv_bf16": (rope, None)},
+                         defines)
 
 
 def enabled(device: torch.device, dtype: torch.dtype, heads: int, kv_heads: int, head_dim: int) -> bool:

@@ -395,6 +395,9 @@ class DSpark(Policy):
         self.floor = floor
         if not floor:
             self.name = "dspark:delayed"
+        self._depths: dict[int, deque[int]] = {}  # class of R -> most drafts accepted, its last ranked steps
+        self._ranked_steps: dict[int, int] = {}  # class of R -> ranked steps observed
+        self._width_next = self.gamma
 
     walk_tol = 0.01  # the snapshot's walk within 1 % of its argmax Θ: follow the walk alone
     # while speculation is within 10 % of plain, the cost rule's probes back off to close_call_wait
@@ -412,6 +415,22 @@ class DSpark(Policy):
     # measured rate of uniform-shape steps it compared them with (None: not measured at R)
     last_rates: tuple[float, float, float] = (0.0, 0.0, 0.0)
     last_uniform_rate: float | None = None
+    # a ranked step drafts one token past the most drafts accepted in the last `depth_window`
+    # ranked steps of R's class (`draft_width`), and the full γ on every `full_width_every`-th
+    depth_window = 8
+    full_width_every = 8
+
+    def reset(self) -> None:
+        super().reset()
+        self._depths = {}
+        self._ranked_steps = {}
+        self._width_next = self.gamma
+
+    def warm_from(self, other: Policy) -> None:
+        super().warm_from(other)
+        if isinstance(other, DSpark):
+            self._depths = {c: deque(d, maxlen=self.depth_window) for c, d in other._depths.items()}
+            self._ranked_steps = dict(other._ranked_steps)
 
     def wants_draft(self, num_requests: int) -> bool:
         """The drafting-cost rule (architecture §7): skip drafting the coming step when, on the
@@ -453,6 +472,7 @@ class DSpark(Policy):
         class: `_uniform_rate`), and drafting pays when
         either side beats plain."""
         self._next_shape = "ranked"
+        self._width_next = self._ranked_width(num_requests)
         t_draft = self.draft_cost(num_requests)
         if not t_draft or self._profile is None or self._sps_by_b is None or num_requests < 1:
             return True
@@ -526,8 +546,33 @@ class DSpark(Policy):
     def draft_width(self) -> int:
         """A uniform step verifies one draft per request, so it drafts one (at 32 requests on
         SmolLM2 a 1-token propose took 9.7 ms against 24.2 ms for γ = 7: the block's keys span
-        all G inputs either way, its queries, MLP, LM head and head steps do not)."""
-        return 1 if self._next_shape == "uniform" else self.gamma
+        all G inputs either way, its queries, MLP, LM head and head steps do not). A ranked step
+        drafts `_ranked_width`."""
+        return 1 if self._next_shape == "uniform" else self._width_next
+
+    def _ranked_width(self, num_requests: int) -> int:
+        """One token past the most drafts a request had accepted in the last `depth_window` ranked
+        steps of R's class, at most γ; γ before any and on every `full_width_every`-th ranked
+        step (the cost rule's survival curve and t_draft(R) learn from full blocks only). The
+        drafter's matmuls, attention and head steps scale with the width, and on SmolLM2 at one
+        request a width of 5 of γ = 7 lost no accepted token; a block accepted to its edge widens
+        the next by one. Reads only completed steps: lossless."""
+        cls = num_requests.bit_length()
+        depths = self._depths.get(cls)
+        if not depths or self._ranked_steps.get(cls, 0) % self.full_width_every == 0:
+            return self.gamma
+        return min(self.gamma, max(depths) + 1)
+
+    def observe_acceptance(self, survival: torch.Tensor, lengths: torch.Tensor,
+                           accepted: torch.Tensor, sources: torch.Tensor | None = None) -> None:
+        """The recalibration (`Policy.observe_acceptance`), and a ranked step's most accepted
+        drafts for `_ranked_width`."""
+        super().observe_acceptance(survival, lengths, accepted, sources)
+        if self.shape == "ranked":
+            cls = survival.shape[0].bit_length()
+            most = int(accepted.max()) if len(accepted) else 0
+            self._depths.setdefault(cls, deque(maxlen=self.depth_window)).append(most)
+            self._ranked_steps[cls] = self._ranked_steps.get(cls, 0) + 1
 
     def _pick_shape(self, num_requests: int, ranked: float, uniform: float | None) -> str:
         """The coming drafted step's shape: "uniform" until RATE_MIN_STEPS uniform steps at R
