@@ -233,9 +233,11 @@ def test_non_anticipation_property(spec):
 
 def test_dspark_ranked_width_reads_accepted_depths_of_completed_steps():
     """A ranked block is one token wider than the most drafts accepted in the last
-    `depth_window` ranked steps of R's class (γ at first and on every `full_width_every`-th);
-    a uniform step drafts one. Only `observe_acceptance` (a completed step) moves it."""
-    policy = make_policy("dspark", sps=SPSTable.gpu_shaped(), gamma=7)
+    `depth_window` ranked steps of R's class (γ at first, on every `full_width_every`-th and
+    where a full propose costs under `narrow_min_share` of a step); a uniform step drafts one.
+    Only `observe_acceptance` (a completed step) and measured times move it."""
+    sps = SPSTable([1, 8], [100.0, 90.0])  # a one-token step: 10 ms
+    policy = make_policy("dspark", sps=sps, gamma=7, draft_cost=DraftCost({1: 0.001, 8: 0.001}))
     assert isinstance(policy, DSpark) and (policy.depth_window, policy.full_width_every) == (8, 8)
     survival, lengths = torch.ones(1, 7), torch.tensor([5])
     widths = []
@@ -252,10 +254,15 @@ def test_dspark_ranked_width_reads_accepted_depths_of_completed_steps():
     policy.wants_draft(1)
     policy._next_shape = "uniform"
     assert policy.draft_width() == 1
-    twin = make_policy("dspark", sps=SPSTable.gpu_shaped(), gamma=7)
+    twin = make_policy("dspark", sps=sps, gamma=7, draft_cost=DraftCost({1: 0.001, 8: 0.001}))
     twin.warm_from(policy)
     twin.wants_draft(1)
     assert twin.draft_width() == 1
+    cheap = make_policy("dspark", sps=sps, gamma=7, draft_cost=DraftCost({1: 0.0002}))  # 2 % of a step
+    cheap.warm_from(policy)
+    cheap.draft_cost = DraftCost({1: 0.0002})
+    cheap.wants_draft(1)
+    assert cheap.draft_width() == 7  # prompt lookup's price: narrowing would save nothing
     policy.reset()
     policy.wants_draft(1)
     assert policy.draft_width() == 7

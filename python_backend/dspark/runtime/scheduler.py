@@ -419,6 +419,9 @@ class DSpark(Policy):
     # ranked steps of R's class (`draft_width`), and the full γ on every `full_width_every`-th
     depth_window = 8
     full_width_every = 8
+    # ... where a full block's propose costs at least this share of a one-token step at R (the
+    # SPS table's): a cheap drafter (prompt lookup) drafts the full γ, narrowing saves it nothing
+    narrow_min_share = 0.03
 
     def reset(self) -> None:
         super().reset()
@@ -556,11 +559,19 @@ class DSpark(Policy):
         step (the cost rule's survival curve and t_draft(R) learn from full blocks only). The
         drafter's matmuls, attention and head steps scale with the width, and on SmolLM2 at one
         request a width of 5 of γ = 7 lost no accepted token; a block accepted to its edge widens
-        the next by one. Reads only completed steps: lossless."""
+        the next by one. Only where a full block's propose (t_draft(R), measured) costs at least
+        `narrow_min_share` of a one-token step: prompt lookup's nearly free blocks stay full
+        (served alone at one request, narrowed blocks ran 0.85x fixed:7). Reads only completed
+        steps and measured times: lossless."""
         cls = num_requests.bit_length()
         depths = self._depths.get(cls)
         if not depths or self._ranked_steps.get(cls, 0) % self.full_width_every == 0:
             return self.gamma
+        t_draft = self.draft_cost(num_requests)
+        rates = self._sps_by_b
+        share = 0.0 if not t_draft or rates is None else t_draft * rates[min(num_requests, len(rates) - 1)]
+        if share < self.narrow_min_share:
+            return self.gamma  # drafting unmeasured, or too cheap for its width to matter
         return min(self.gamma, max(depths) + 1)
 
     def observe_acceptance(self, survival: torch.Tensor, lengths: torch.Tensor,
