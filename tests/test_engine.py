@@ -484,7 +484,8 @@ def test_dspark_narrows_ranked_blocks_to_the_accepted_depth(target, prompts, ref
     drafter = Wrong(4)
     engine = SpecEngine(target, drafter, "dspark", sps=SPS)
     engine.policy.wants_draft = lambda num_requests: (
-        setattr(engine.policy, "_width_next", engine.policy._ranked_width(num_requests)) or True)
+        setattr(engine.policy, "_width_next",
+                engine.policy._ranked_width(num_requests, engine.policy.draft_cost(num_requests))) or True)
     assert engine.generate(prompts, MAX_TOKENS, stop_token_ids=[]) == reference
     check_clean(engine, target)
     assert drafter.widths.count(1) > drafter.widths.count(4) > 0

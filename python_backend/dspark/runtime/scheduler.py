@@ -475,8 +475,8 @@ class DSpark(Policy):
         class: `_uniform_rate`), and drafting pays when
         either side beats plain."""
         self._next_shape = "ranked"
-        self._width_next = self._ranked_width(num_requests)
         t_draft = self.draft_cost(num_requests)
+        self._width_next = self._ranked_width(num_requests, t_draft)
         if not t_draft or self._profile is None or self._sps_by_b is None or num_requests < 1:
             return True
         room = min(self.max_batch_tokens - num_requests, num_requests * self.gamma)
@@ -553,13 +553,13 @@ class DSpark(Policy):
         drafts `_ranked_width`."""
         return 1 if self._next_shape == "uniform" else self._width_next
 
-    def _ranked_width(self, num_requests: int) -> int:
+    def _ranked_width(self, num_requests: int, t_draft: float | None) -> int:
         """One token past the most drafts a request had accepted in the last `depth_window` ranked
         steps of R's class, at most γ; γ before any and on every `full_width_every`-th ranked
         step (the cost rule's survival curve and t_draft(R) learn from full blocks only). The
         drafter's matmuls, attention and head steps scale with the width, and on SmolLM2 at one
         request a width of 5 of γ = 7 lost no accepted token; a block accepted to its edge widens
-        the next by one. Only where a full block's propose (t_draft(R), measured) costs at least
+        the next by one. Only where a full block's propose (`t_draft`, measured) costs at least
         `narrow_min_share` of a one-token step: prompt lookup's nearly free blocks stay full
         (served alone at one request, narrowed blocks ran 0.85x fixed:7). Reads only completed
         steps and measured times: lossless."""
@@ -567,7 +567,6 @@ class DSpark(Policy):
         depths = self._depths.get(cls)
         if not depths or self._ranked_steps.get(cls, 0) % self.full_width_every == 0:
             return self.gamma
-        t_draft = self.draft_cost(num_requests)
         rates = self._sps_by_b
         share = 0.0 if not t_draft or rates is None else t_draft * rates[min(num_requests, len(rates) - 1)]
         if share < self.narrow_min_share:
