@@ -37,12 +37,13 @@ def _case(lens, starts, slots, heads=9, kv=3, hd=64, cap=5, max_len=600, seed=0)
 @needs_kernel
 @pytest.mark.parametrize("lens, starts, slots", [([1], [300], [2]), ([6], [17], [0]),
                                                  ([1, 6, 3], [300, 17, 550], [2, 0, 4]),
-                                                 ([2] * 4 + [9], [0, 31, 5, 100, 7], [1, 3, 0, 2, 4])])
+                                                 ([2] * 4 + [9], [0, 31, 5, 100, 7], [1, 3, 0, 2, 4]),
+                                                 ([150, 1, 70], [0, 40, 3], [3, 1, 0])])
 @pytest.mark.parametrize("hd", [64, 48, 32])
 def test_matches_exact_attention_and_torchs_path(lens, starts, slots, hd):
     """Within one bf16 rounding of the exact attention (torch's bf16 path, which rounds its
-    probabilities to bf16 too, is further off) on decodes, verifies and ragged batches (keys not
-    a multiple of 16, slots out of order, position 0)."""
+    probabilities to bf16 too, is further off) on decodes, verifies, prefills and ragged batches
+    (keys not a multiple of 16, slots out of order, position 0)."""
     batch, q, k_cache, v_cache = _case(lens, starts, slots, hd=hd)
     meta = attention.build_attn_meta(batch.seq_idx, batch.positions, batch.cu_seqlens, batch.slots, 3,
                                      cpu_kernel=True)
@@ -101,12 +102,17 @@ def test_grouped_queries_give_each_query_alone_bits(monkeypatch, heads, kv, hd):
         torch.set_num_threads(threads)
 
 
-def test_meta_routes_only_short_requests_to_the_kernel():
-    """cpu_kernel=True builds the mask-free meta for up to MAX_NEW_TOKENS new tokens a request;
-    a longer one (a prefill) keeps torch's path and its mask."""
-    n = cpu_attention.MAX_NEW_TOKENS
-    short = RaggedBatch.from_requests([0, 1], [[1] * n, [1]], [0, 5])
-    long = RaggedBatch.from_requests([0], [[1] * (n + 1)], [0])
+def test_meta_routes_requests_to_the_kernel(monkeypatch):
+    """cpu_kernel=True builds the mask-free meta for every batch, a long prefill's included (the
+    default, MAX_NEW_TOKENS None); with a cap, a request over it keeps torch's path and its mask."""
+    short = RaggedBatch.from_requests([0, 1], [[1] * 64, [1]], [0, 5])
+    long = RaggedBatch.from_requests([0], [[1] * 1500], [0])
+    ragged = RaggedBatch.from_requests([0, 1], [[1] * 1500, [1] * 3], [0, 9])
+    for batch in (short, long, ragged):
+        meta = attention.build_attn_meta(batch.seq_idx, batch.positions, batch.cu_seqlens, batch.slots, 3,
+                                         cpu_kernel=True)
+        assert meta.cpu_kernel and meta.mask is None
+    monkeypatch.setattr(cpu_attention, "MAX_NEW_TOKENS", 64)
     meta = attention.build_attn_meta(short.seq_idx, short.positions, short.cu_seqlens, short.slots, 3,
                                      cpu_kernel=True)
     assert meta.cpu_kernel and meta.mask is None
@@ -169,3 +175,26 @@ def test_rope_and_cache_writes_equal_torchs(hd, heads, kv):
     zero, row = torch.zeros(1, dtype=torch.int64), torch.zeros(1, 48).bfloat16()
     qkv48 = torch.zeros(1, 3 * 48, dtype=torch.bfloat16)
     assert cpu_attention.rope_write_kv(qkv48, row, row, odd, odd.clone(), zero, zero, 1) is None
+
+
+@needs_kernel
+def test_bench_prefill_times_both_ways_and_restores_the_cap(tiny_ckpt, tmp_path):
+    """`dspark bench-prefill` on the tiny checkpoint in bf16: each length and the benchmark
+    prompts through our kernel and through ATen's flash kernel, round by round, close logits
+    both ways, and `cpu_attention.MAX_NEW_TOKENS` as it was after."""
+    import json
+
+    from dspark.cli import main
+
+    out = tmp_path / "prefill.json"
+    before = cpu_attention.MAX_NEW_TOKENS
+    assert main(["bench-prefill", "--model", str(tiny_ckpt), "--lengths", "8,100", "--rounds", "2",
+                 "--n-prompts", "1", "--num-threads", "1", "--out", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert set(result["by_case"]) == {"8", "100", "bench_prompts"}
+    assert result["by_case"]["100"]["tokens"] == 100
+    assert all(row["kernel_ms"] > 0 and row["flash_ms"] > 0 and row["speedup"] > 0
+               for row in result["by_case"].values())
+    # a different summation order: logits within bf16 roundings (the next token may tie-break apart)
+    assert isinstance(result["same_next_token"], bool) and result["last_logits_max_abs_diff"] < 1.0
+    assert cpu_attention.MAX_NEW_TOKENS == before

@@ -21,6 +21,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "bench-cpu-gemm": ("dspark.bench.cpu_gemm", "our CPU matmul kernels vs oneDNN (fp32, --dtype bf16)"),
     "bench-glue": ("dspark.bench.glue",
                    "the target forward's CPU kernel options: glue, grouped attention, matmul prefetch"),
+    "bench-prefill": ("dspark.bench.prefill", "a prompt's prefill: our CPU attention kernel vs ATen's flash"),
     "bench-triton": ("dspark.bench.triton_overhead", "serving through Triton vs the same engine in process"),
     "profile-sps": ("dspark.bench.sps", "profile target steps/second vs token batch size"),
     "simulate": ("dspark.tools.simulate", "serving simulator over scheduler policies"),

@@ -100,8 +100,8 @@ def build_attn_meta(seq_idx, positions, cu_seqlens, slots, n_groups: int,
     scalars below are read from them, so no device sync); tensors the layers index with are
     moved to `device` (default: where `positions` is). group=False: one padded batch even when
     `length_groups` would split it. cpu_kernel=True (the caller's q and cache are what
-    `cpu_attention.enabled` says): batches of at most `cpu_attention.MAX_NEW_TOKENS` new tokens
-    a request go to that kernel."""
+    `cpu_attention.enabled` says): batches go to that kernel, prefills included (unless
+    `cpu_attention.MAX_NEW_TOKENS` caps the new tokens a request it takes)."""
     device = positions.device if device is None else torch.device(device)
     r = slots.numel()
     lens = cu_seqlens[1:] - cu_seqlens[:-1]
@@ -114,7 +114,7 @@ def build_attn_meta(seq_idx, positions, cu_seqlens, slots, n_groups: int,
     if _use_varlen_kernel(device):
         return AttnMeta(tok_slot, dev(positions), dev(seq_idx), dev(cu_seqlens), dev(slots), max_new, kv_len,
                         None, None, None)
-    if cpu_kernel and max_new <= cpu_attention.MAX_NEW_TOKENS:
+    if cpu_kernel and (cpu_attention.MAX_NEW_TOKENS is None or max_new <= cpu_attention.MAX_NEW_TOKENS):
         return AttnMeta(tok_slot, dev(positions), dev(seq_idx), dev(cu_seqlens), dev(slots), max_new, kv_len,
                         None, None, None, cpu_kernel=True)
     if max_new == 1 and int(positions.min()) == kv_len - 1:

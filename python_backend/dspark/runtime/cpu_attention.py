@@ -22,7 +22,10 @@ from dspark.runtime import cpu_gemm, cpu_norm
 
 SOURCE = paths.REPO_ROOT / "kernels" / "cpu" / "cached_attention.c"
 FLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-fopenmp", "-shared", "-fPIC"]
-MAX_NEW_TOKENS = 64  # longest request (new tokens) it runs; longer ones (prefills) keep ATen's flash kernel
+# longest request (new tokens) it runs, None: every one, prefills included (measured faster than
+# ATen's flash kernel at every prompt length, `dspark bench-prefill`); an int keeps longer
+# requests on the flash kernel (that benchmark's other arm)
+MAX_NEW_TOKENS: int | None = None
 # a request's tokens and a kv head's query heads share each block of keys (the default); False:
 # each query alone, the same bits (the layout before the grouping, for `dspark bench-glue`)
 GROUPED = True
