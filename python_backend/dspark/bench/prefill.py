@@ -28,7 +28,7 @@ from tqdm import tqdm
 from dspark import paths, wiring
 from dspark.bench import cpu_name
 from dspark.runtime import cpu_attention
-from dspark.runtime.text import load_tokenizer
+from dspark.runtime.text import encode, load_tokenizer
 
 ARMS = {"kernel": None, "flash": 64}  # arm -> cpu_attention.MAX_NEW_TOKENS
 SOURCE_FILE = "argparse.py"  # long English-and-code text, on every machine with Python
@@ -67,8 +67,7 @@ def main(args: argparse.Namespace) -> int:
         raise SystemExit(f"--lengths {args.lengths}: each in 1..{target.max_seq_len} (--max-seq-len)")
     tok = load_tokenizer(wiring.model_folder(spec.model))
     text = (Path(sysconfig.get_paths()["stdlib"]) / SOURCE_FILE).read_text()
-    ids = tok.encode(text)
-    ids = list(ids if isinstance(ids, list) else ids.ids)
+    ids = encode(tok, text)
     if len(ids) < max(lengths):
         raise SystemExit(f"--lengths: {SOURCE_FILE} has {len(ids)} tokens, fewer than {max(lengths)}")
     prompts, source = load_prompts(spec.model_key, ["code", "math", "chat"], args.n_prompts, tok)

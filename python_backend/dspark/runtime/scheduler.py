@@ -567,8 +567,8 @@ class DSpark(Policy):
         depths = self._depths.get(cls)
         if not depths or self._ranked_steps.get(cls, 0) % self.full_width_every == 0:
             return self.gamma
-        rates = self._sps_by_b
-        share = 0.0 if not t_draft or rates is None else t_draft * rates[min(num_requests, len(rates) - 1)]
+        rates = self.sps_for(num_requests)  # SPS(R): a one-token step's rate, as `_plain_rate` reads it
+        share = 0.0 if not t_draft or rates is None else t_draft * float(rates[num_requests])
         if share < self.narrow_min_share:
             return self.gamma  # drafting unmeasured, or too cheap for its width to matter
         return min(self.gamma, max(depths) + 1)
